@@ -61,9 +61,13 @@ class SoftmaxSpec:
 
 @dataclasses.dataclass
 class ChunkForward:
-    """Per-token results of one chunk, each ``[c]`` fp32. `lse` is the log-sum-exp of the scaled logits."""
+    """Per-token results of one chunk, each ``[c]`` fp32.
+
+    `lse` is the log-sum-exp of the scaled logits, `row_max` the global row maximum they were shifted by.
+    """
 
     lse: torch.Tensor
+    row_max: torch.Tensor
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     loss: torch.Tensor | None = None
@@ -89,11 +93,18 @@ def chunk_bounds(n: int, chunk_size: int | None) -> Iterator[tuple[int, int]]:
         yield s, min(s + step, n)
 
 
-def softmax_chunk_forward(x: torch.Tensor, labels: torch.Tensor | None, spec: SoftmaxSpec) -> ChunkForward:
-    """Softmax statistics of one chunk ``x [c, V_local]`` (any float dtype; not modified).
+def softmax_chunk_forward(
+    x: torch.Tensor, labels: torch.Tensor | None, spec: SoftmaxSpec, *, overwrite: bool = False
+) -> ChunkForward:
+    """Softmax statistics of one chunk ``x [c, V_local]`` (any float dtype).
 
     Two collectives over ``spec.shard.group``: MAX of the row maxima, then one SUM of the packed partial
     sums. Everything is computed in fp32 relative to the global row max.
+
+    `x` is left as it is, unless `overwrite` is set, `x` is fp32 and the entropy is not asked for: then
+    the kernel works in place and leaves ``exp(x * scale - row_max)`` in ``x``'s valid columns, which
+    `softmax_grad_from_exps_` turns into a gradient without recomputing anything (the fused path owns
+    its logits chunk and uses this to hold one chunk-sized tensor instead of two).
     """
     shard = spec.shard
     rows, n_valid = x.shape[0], shard.valid
@@ -106,7 +117,8 @@ def softmax_chunk_forward(x: torch.Tensor, labels: torch.Tensor | None, spec: So
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     all_reduce_max_(row_max, shard.group)
 
-    shifted = xv.to(torch.float32, copy=True)
+    in_place = overwrite and x.dtype == torch.float32 and not spec.entropy
+    shifted = xv if in_place else xv.to(torch.float32, copy=True)
     if spec.scale != 1.0:
         shifted.mul_(spec.scale)
     shifted.sub_(row_max[:, None])
@@ -140,7 +152,7 @@ def softmax_chunk_forward(x: torch.Tensor, labels: torch.Tensor | None, spec: So
 
     sum_exp = next(cols)
     log_sum_exp = sum_exp.log()
-    out = ChunkForward(lse=row_max + log_sum_exp)
+    out = ChunkForward(lse=row_max + log_sum_exp, row_max=row_max)
     if spec.logprobs or spec.loss:
         target_logprob = next(cols) - log_sum_exp
         valid = labels != spec.ignore_index
@@ -222,6 +234,35 @@ def softmax_chunk_backward_(
         ov.addcmul_(p, coef.a[:, None])
     else:
         ov.exp_().mul_(coef.a[:, None])
+    return _finish_grad_(out, labels, coef, spec)
+
+
+def softmax_grad_from_exps_(
+    exps: torch.Tensor,
+    labels: torch.Tensor | None,
+    fwd: ChunkForward,
+    coef: GradCoefficients,
+    spec: SoftmaxSpec,
+) -> torch.Tensor:
+    """Like `softmax_chunk_backward_`, in place on what ``softmax_chunk_forward(..., overwrite=True)`` left.
+
+    ``exps`` holds ``exp(x * scale - row_max)``, so ``p = exps * exp(row_max - lse)`` and ``a * p`` is one
+    pass. Only for coefficients without the entropy term (``coef.d is None``).
+    """
+    if coef.d is not None:
+        raise ValueError(
+            "softmax_grad_from_exps_ cannot produce the entropy gradient; use softmax_chunk_backward_"
+        )
+    ev = exps[:, : spec.shard.valid]
+    ev.mul_((coef.a * torch.exp(fwd.row_max - fwd.lse))[:, None])
+    return _finish_grad_(exps, labels, coef, spec)
+
+
+def _finish_grad_(out: torch.Tensor, labels: torch.Tensor | None, coef: GradCoefficients, spec: SoftmaxSpec):
+    """Add the terms that do not involve ``p`` (``c``, ``b * onehot``), apply the chain rule through the
+    scale, and zero the padded vocabulary columns."""
+    n_valid = spec.shard.valid
+    ov = out[:, :n_valid]
     if coef.c is not None:
         ov.add_(coef.c[:, None])
     if coef.b is not None and n_valid > 0:
@@ -292,17 +333,40 @@ def _flatten(logits: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.T
     return flat, None if labels is None else labels.reshape(-1)
 
 
-def prepare(
-    logits: torch.Tensor,
+def build_spec(
+    local_vocab: int,
     labels: torch.Tensor | None,
+    device: torch.device,
     *,
-    chunk_size: int | None,
     temperature: float,
     ignore_index: int,
     vocab_size: int | None,
     tp_group: ProcessGroup | None,
     vocab_start: int | None,
+    fold_temperature: bool = False,
     **outputs,
+) -> SoftmaxSpec:
+    """Resolve the vocabulary shard, check the labels against it and build the `SoftmaxSpec`.
+
+    Shared by the logits and fused ops. With `fold_temperature` the caller applies ``1 / temperature``
+    itself (inside its matmul) and the spec's scale is 1.
+    """
+    _validate.check_temperature(temperature)
+    shard = vocab_shard(
+        local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device
+    )
+    if labels is not None:
+        _validate.check_label_range(labels, shard.vocab_size, ignore_index)
+    scale = 1.0 if fold_temperature else 1.0 / temperature
+    return SoftmaxSpec(shard=shard, scale=scale, ignore_index=ignore_index, **outputs)
+
+
+def prepare(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    chunk_size: int | None,
+    **spec_args,
 ) -> SoftmaxSpec:
     """Check the arguments every logits op shares and build its `SoftmaxSpec`."""
     _validate.check_floating("logits", logits)
@@ -311,13 +375,7 @@ def prepare(
     if labels is not None:
         _validate.check_labels(labels, logits.shape[:-1], against="logits")
     _validate.check_chunk_size(chunk_size)
-    _validate.check_temperature(temperature)
-    shard = vocab_shard(
-        logits.shape[-1], tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=logits.device
-    )
-    if labels is not None:
-        _validate.check_label_range(labels, shard.vocab_size, ignore_index)
-    return SoftmaxSpec(shard=shard, scale=1.0 / temperature, ignore_index=ignore_index, **outputs)
+    return build_spec(logits.shape[-1], labels, logits.device, **spec_args)
 
 
 def reduce_loss(
@@ -447,5 +505,9 @@ def cross_entropy(
     flat, flat_labels = _flatten(logits, labels)
     (per_token,) = _SoftmaxOverLogits.apply(flat, flat_labels, spec, chunk_size)
     return reduce_loss(
-        per_token.view(labels.shape), labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group
+        per_token.view(labels.shape),
+        labels,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        mean_group=mean_group,
     )

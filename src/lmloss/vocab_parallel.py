@@ -96,7 +96,9 @@ def vocab_shard(
             f"vocab_size={vocab_size} must be in (0, {total}], the number of vocabulary columns over all ranks"
         )
     if start + local_size > total:
-        raise ValueError(f"vocab_start + V_local = {start + local_size} is past the vocabulary ({total} columns)")
+        raise ValueError(
+            f"vocab_start + V_local = {start + local_size} is past the vocabulary ({total} columns)"
+        )
     return VocabShard(start=start, size=local_size, vocab_size=vocab_size, group=tp_group)
 
 
@@ -112,3 +114,29 @@ def all_reduce_sum_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def gather_rows(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's ``[n, ...]`` along dim 0, in rank order (sequence-parallel hidden states)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def reduce_scatter_rows(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum ``[world * n, ...]`` over `group` and return this rank's ``[n, ...]`` block of rows.
+
+    gloo has no reduce-scatter, so there it is an all-reduce followed by taking the slice.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = t.shape[0] // world
+    if dist.get_backend(group) == "gloo":
+        dist.all_reduce(t, group=group)
+        return t[rank * rows : (rank + 1) * rows].clone()
+    out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    return out

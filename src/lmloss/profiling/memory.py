@@ -116,9 +116,20 @@ class LiveTensorTracker(TorchDispatchMode):
                     self.peak_allocations = sorted(self._info.values(), key=lambda a: -a.nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # An output on an input's storage (a view, an in-place or out= op) is no new allocation: counting
+        # it would charge the block for tensors that existed before it began.
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                key = t.untyped_storage().data_ptr()
+                if key in inputs and key not in self._sizes:
+                    continue
                 self._track(t, str(func.overloadpacket.__name__))
         return out
 

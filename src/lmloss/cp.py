@@ -1,0 +1,219 @@
+"""Context parallelism over packed sequences: which positions each CP rank holds, split and gather.
+
+Every sequence of a packed buffer (boundaries ``cu_seqlens``, see `lmloss.packing`) is spread over the
+``cp_size`` ranks of the CP group, so each rank holds ``T / cp_size`` positions.
+
+* ``"zigzag"`` (load-balanced for causal attention): each sequence is cut into ``2 * cp_size`` equal chunks
+  and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``, in that order, sequence after sequence.
+  This is the layout of Transformer Engine's ``thd_get_partitioned_indices`` and of Megatron's
+  load-balanced CP, so logits coming out of such a model are already in it.
+* ``"contiguous"``: rank ``r`` keeps the ``r``-th of ``cp_size`` equal pieces of every sequence.
+
+A sequence whose length the layout cannot divide raises ValueError naming it: pad with
+``pack(..., pad_to_multiple_of=2 * cp_size)``. Nothing is ever dropped. With ``cp_size == 1`` every layout
+is the identity and any length is accepted.
+
+The CP-local loss: make labels on the full buffer (`lmloss.packing`), `split` them with the logits'
+layout, and call `lmloss.cross_entropy` on the local logits with ``mean_group`` = the DP x CP group.
+Full logits are never gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from lmloss.packing import PackedBatch, check_cu_seqlens, sequence_ids, token_mask
+
+ProcessGroup = dist.ProcessGroup
+
+LAYOUTS = ("zigzag", "contiguous")
+PER_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
+
+__all__ = ["LAYOUTS", "gather", "partition_index", "split", "split_batch"]
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _check_cp(cp_size: int, cp_rank: int) -> None:
+    for name, v in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+
+
+def partition_index(
+    cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, layout: str = "zigzag"
+) -> torch.Tensor:
+    """Positions of the packed buffer that CP rank `cp_rank` holds, in its local order.
+
+    Args:
+        cu_seqlens: integer ``[B + 1]``, the buffer's (padded) sequence boundaries, starting with 0.
+        cp_size, cp_rank: size of the CP group and this rank's index in it.
+        layout: ``"zigzag"`` or ``"contiguous"`` (see the module docstring).
+
+    Returns:
+        int64 ``[T / cp_size]`` on `cu_seqlens`' device: ``local = full[index]``.
+
+    Raises:
+        ValueError: a sequence length not divisible by ``2 * cp_size`` (zigzag) or ``cp_size``
+            (contiguous), naming the first such sequence; an unknown layout.
+    """
+    _check_layout(layout)
+    _check_cp(cp_size, cp_rank)
+    bounds = check_cu_seqlens(cu_seqlens)
+    device = cu_seqlens.device
+    if cp_size == 1:
+        return torch.arange(bounds[-1], device=device)
+    pieces = 2 * cp_size if layout == "zigzag" else cp_size
+    for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if (e - s) % pieces:
+            raise ValueError(
+                f"sequence {b} has length {e - s}, not divisible by {pieces} "
+                f"({layout} layout over cp_size={cp_size}); pad it, e.g. pack(..., pad_to_multiple_of={pieces})"
+            )
+    starts = cu_seqlens[:-1].long()
+    chunk = (cu_seqlens[1:] - cu_seqlens[:-1]).long() // pieces  # per sequence
+    local_len = chunk * (pieces // cp_size)
+    seq = torch.repeat_interleave(torch.arange(starts.numel(), device=device), local_len)
+    local_start = torch.cumsum(local_len, 0) - local_len
+    j = torch.arange(seq.numel(), device=device) - local_start[seq]  # offset within the rank's share
+    c = chunk[seq]
+    if layout == "contiguous":
+        return starts[seq] + cp_rank * c + j
+    second = j >= c
+    which = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
+    return starts[seq] + which * c + j - second.long() * c
+
+
+def split(
+    tensor: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    dim: int = 0,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """This CP rank's positions of a full packed tensor: ``tensor.index_select(dim, partition_index(...))``.
+
+    `tensor` has ``T = cu_seqlens[-1]`` positions along `dim` (any dtype, any other dims); the result has
+    ``T / cp_size`` there. Differentiable (the gradient is scattered back, zero elsewhere).
+    """
+    dim = dim % max(tensor.dim(), 1)
+    if tensor.shape[dim] != check_cu_seqlens(cu_seqlens)[-1]:
+        raise ValueError(
+            f"tensor has {tensor.shape[dim]} positions along dim {dim} but cu_seqlens covers "
+            f"{int(cu_seqlens[-1])}"
+        )
+    index = partition_index(cu_seqlens, cp_size, cp_rank, layout).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+class _GatherCP(torch.autograd.Function):
+    """All-gather the CP slices and put every position back where it belongs in the full buffer.
+
+    Backward returns this rank's own slice of the incoming gradient, unscaled: the gathered tensor is
+    one value replicated on every rank, not a sum of per-rank contributions.
+    """
+
+    @staticmethod
+    def forward(ctx, local, cu_seqlens, group, dim, layout):
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        moved = local.movedim(dim, 0).contiguous()
+        parts = [torch.empty_like(moved) for _ in range(cp_size)]
+        dist.all_gather(parts, moved, group=group)
+        full = moved.new_empty((moved.shape[0] * cp_size, *moved.shape[1:]))
+        for r, part in enumerate(parts):
+            full[partition_index(cu_seqlens, cp_size, r, layout).to(full.device)] = part
+        ctx.index = partition_index(cu_seqlens, cp_size, cp_rank, layout).to(full.device)
+        ctx.dim = dim
+        return full.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.dim, ctx.index), None, None, None, None
+
+
+def gather(
+    local: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    dim: int = 0,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """Inverse of `split`: the full packed tensor from every CP rank's slice.
+
+    Args:
+        local: this rank's ``T / cp_size`` positions along `dim`, as `split` returned them (any dtype).
+        cu_seqlens: the full buffer's boundaries (the same on every rank).
+        group: the CP group (one all-gather over it); None means ``cp_size == 1`` and returns `local`.
+
+    Returns:
+        ``[..., T, ...]`` on every rank. Differentiable: the backward hands each rank its own positions of
+        the gradient, with no ``cp_size`` scaling. Gather only what is small (per-token values); the loss
+        itself is computed on local logits.
+    """
+    _check_layout(layout)
+    dim = dim % max(local.dim(), 1)
+    if group is None or dist.get_world_size(group) == 1:
+        if local.shape[dim] != check_cu_seqlens(cu_seqlens)[-1]:
+            raise ValueError(
+                f"local has {local.shape[dim]} positions along dim {dim} but cu_seqlens covers "
+                f"{int(cu_seqlens[-1])} (cp_size 1)"
+            )
+        return local
+    cp_size = dist.get_world_size(group)
+    total = check_cu_seqlens(cu_seqlens)[-1]
+    if local.shape[dim] * cp_size != total:
+        raise ValueError(
+            f"local has {local.shape[dim]} positions along dim {dim}; cp_size={cp_size} ranks hold "
+            f"{local.shape[dim] * cp_size} but cu_seqlens covers {total}"
+        )
+    return _GatherCP.apply(local, cu_seqlens, group, dim, layout)
+
+
+def split_batch(
+    batch: PackedBatch | Mapping[str, torch.Tensor | int],
+    cp_size: int,
+    cp_rank: int,
+    *,
+    layout: str = "zigzag",
+) -> dict[str, torch.Tensor | int]:
+    """This CP rank's share of a packed batch (a `PackedBatch` or a dict with its field names).
+
+    The per-token fields present (``input_ids``, ``labels``, ``position_ids``, ``loss_mask``) are split
+    with `split`; ``sequence_ids`` (int64, which sequence each local position belongs to) and, when
+    ``cu_seqlens_unpadded`` is present, ``token_mask`` (bool, False at padding) are added, split the same
+    way. Everything else (``cu_seqlens``, ``cu_seqlens_unpadded``, ``max_seqlen``, ...) is passed through
+    unchanged: THD attention under CP takes the full sequences' boundaries. Position ids stay global
+    (position within the full sequence), which is what rotary embeddings need.
+    """
+    fields = batch.to_dict() if isinstance(batch, PackedBatch) else dict(batch)
+    if "cu_seqlens" not in fields:
+        raise ValueError("batch has no 'cu_seqlens': cannot tell where its sequences are")
+    cu = fields["cu_seqlens"]
+    index = partition_index(cu, cp_size, cp_rank, layout)
+    out: dict[str, torch.Tensor | int] = {}
+    total = int(cu[-1])
+    for k, v in fields.items():
+        if k in PER_TOKEN_KEYS:
+            if v.dim() < 1 or v.shape[0] != total:
+                raise ValueError(
+                    f"batch[{k!r}] has shape {tuple(v.shape)}; cu_seqlens covers {total} positions"
+                )
+            v = v.index_select(0, index.to(v.device))
+        out[k] = v
+    out["sequence_ids"] = sequence_ids(cu).index_select(0, index)
+    if "cu_seqlens_unpadded" in fields:
+        out["token_mask"] = token_mask(cu, fields["cu_seqlens_unpadded"]).index_select(0, index)
+    return out
