@@ -41,8 +41,8 @@ def check_chunk_size(chunk_size: object, *, allow_auto: bool = False) -> None:
 def check_temperature(temperature: float) -> None:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
 
 
 def check_reduction(reduction: str) -> None:

@@ -18,6 +18,7 @@ one backward kernel serves every combination of outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 
@@ -93,6 +94,26 @@ def chunk_bounds(n: int, chunk_size: int | None) -> Iterator[tuple[int, int]]:
         yield s, min(s + step, n)
 
 
+@contextlib.contextmanager
+def _serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
+    """Reduce each row on one thread when a chunk has fewer rows than intra-op threads.
+
+    Given enough rows, torch's CPU reductions hand whole rows to threads and sum each row in one fixed
+    order; with fewer rows than threads they split a row across threads and round differently. Forcing
+    the serial order here keeps fp32 results bit-identical for every chunk size (a tail chunk of one
+    row included).
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or rows >= threads or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def softmax_chunk_forward(
     x: torch.Tensor, labels: torch.Tensor | None, spec: SoftmaxSpec, *, overwrite: bool = False
 ) -> ChunkForward:
@@ -106,6 +127,11 @@ def softmax_chunk_forward(
     `softmax_grad_from_exps_` turns into a gradient without recomputing anything (the fused path owns
     its logits chunk and uses this to hold one chunk-sized tensor instead of two).
     """
+    with _serial_row_reductions(x.shape[0], x.device):
+        return _softmax_chunk_forward(x, labels, spec, overwrite)
+
+
+def _softmax_chunk_forward(x, labels, spec: SoftmaxSpec, overwrite: bool) -> ChunkForward:
     shard = spec.shard
     rows, n_valid = x.shape[0], shard.valid
     xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
@@ -133,6 +159,9 @@ def softmax_chunk_forward(
         target = torch.where(owned, target, 0.0)
     sum_shifted = shifted.sum(dim=-1) if spec.loss and spec.label_smoothing > 0 else None
     if spec.entropy:
+        # logits of -inf (a sampler's mask) would make exp * shifted = 0 * -inf = NaN; a finite floor
+        # gives the same exp (0) and a 0 contribution
+        shifted.clamp_(min=torch.finfo(torch.float32).min)
         exps = torch.exp(shifted)
         sum_exp = exps.sum(dim=-1)
         sum_exp_shifted = exps.mul_(shifted).sum(dim=-1)
@@ -182,15 +211,16 @@ def grad_coefficients(
     """Turn upstream gradients of the per-token outputs ``[N]`` into the kernel's coefficients ``[N]``."""
     a = b = c = d = None
     if grad_logprobs is not None or grad_loss is not None:
-        valid = (labels != spec.ignore_index).to(torch.float32)
+        # where(), not a multiply: an inf or NaN upstream at an ignored position must give no gradient
+        valid = labels != spec.ignore_index
         a = torch.zeros_like(lse)
         b = torch.zeros_like(lse)
     if grad_logprobs is not None:  # d logp_t / dx = onehot - p
-        g = grad_logprobs.float() * valid
+        g = torch.where(valid, grad_logprobs.float(), 0.0)
         a -= g
         b += g
     if grad_loss is not None:  # d loss / dx = (1 + 2 z lse) p - (1 - eps) onehot - eps / V
-        g = grad_loss.float() * valid
+        g = torch.where(valid, grad_loss.float(), 0.0)
         a += g * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss > 0 else g
         b -= (1.0 - spec.label_smoothing) * g
         if spec.label_smoothing > 0:
@@ -224,12 +254,12 @@ def softmax_chunk_backward_(
     ov, xv = out[:, :n_valid], x[:, :n_valid]
     if spec.scale == 1.0:
         torch.sub(xv, lse[:, None], out=ov)
-    else:
-        torch.mul(xv, spec.scale, out=ov)
-        ov.sub_(lse[:, None])
+    else:  # upcast before scaling, exactly as the forward did
+        ov.copy_(xv).mul_(spec.scale).sub_(lse[:, None])
     # ov = log p
     if coef.d is not None:
         p = torch.exp(ov, out=p_scratch[: ov.shape[0], :n_valid])
+        ov.clamp_(min=torch.finfo(torch.float32).min)  # -inf logits: p = 0, and 0 * (log p + H) must be 0
         ov.add_(entropy[:, None]).mul_(p).mul_(coef.d[:, None])
         ov.addcmul_(p, coef.a[:, None])
     else:

@@ -73,13 +73,17 @@ def vocab_shard(
         if vocab_start is None:
             start, total = rank * local_size, world * local_size
         else:
-            if vocab_start < 0:
-                raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+            # every rank must reach the all-gather before any raises, or the others would wait forever
+            # (so the negative-start check comes after it); ranks must all pass vocab_start or all omit it
             start = vocab_start
             mine = torch.tensor([start, local_size], dtype=torch.int64, device=device)
             everyone = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(everyone, mine, group=tp_group)
             spans = sorted((int(s), int(n)) for s, n in (t.tolist() for t in everyone))
+            if spans[0][0] < 0:
+                raise ValueError(
+                    f"vocab_start must be >= 0 on every rank (vocab_start, V_local per rank: {spans})"
+                )
             expected = 0
             for s, n in spans:
                 if s != expected:

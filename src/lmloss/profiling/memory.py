@@ -117,14 +117,15 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         # An output on an input's storage (a view, an in-place or out= op) is no new allocation: counting
-        # it would charge the block for tensors that existed before it began.
+        # it would charge the block for tensors that existed before it began. Read the inputs' storages
+        # before the call: an out= op that resizes an empty tensor moves it to a new (counted) storage.
         inputs = {
             t.untyped_storage().data_ptr()
             for t in tree_flatten((args, kwargs))[0]
             if isinstance(t, torch.Tensor) and t.device.type != "meta"
         }
+        out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 key = t.untyped_storage().data_ptr()

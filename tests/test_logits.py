@@ -1,0 +1,548 @@
+"""token_logprobs / token_entropy / cross_entropy on one process, against plain-PyTorch fp64 references.
+
+Every reference below is written out in plain PyTorch (log_softmax, gather, F.cross_entropy) in float64,
+with autograd supplying the reference gradients; nothing here calls lmloss to compute an expected value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lmloss
+
+# lmloss computes in fp32 internally: against an fp64 reference of the same inputs we allow fp32 rounding.
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _logits(shape, *, seed=0, scale=3.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(shape, generator=_gen(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+def _labels(shape, vocab, *, seed=1, ignore_every=0, ignore_index=-100) -> torch.Tensor:
+    labels = torch.randint(0, vocab, shape, generator=_gen(seed))
+    if ignore_every:
+        flat = labels.view(-1)
+        flat[::ignore_every] = ignore_index
+    return labels
+
+
+def _ref_logprobs(
+    x64: torch.Tensor, labels: torch.Tensor, *, temperature=1.0, ignore_index=-100, vocab_size=None
+):
+    """log_softmax(x / T)[label] in fp64 over the first `vocab_size` columns; 0 where ignored."""
+    logp = torch.log_softmax(x64[..., :vocab_size] / temperature, dim=-1)
+    valid = labels != ignore_index
+    picked = logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def _ref_entropy(x64: torch.Tensor, *, temperature=1.0, vocab_size=None):
+    logp = torch.log_softmax(x64[..., :vocab_size] / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _leaf64(logits: torch.Tensor) -> torch.Tensor:
+    return logits.detach().double().requires_grad_()
+
+
+def _leaf(logits: torch.Tensor) -> torch.Tensor:
+    return logits.detach().clone().requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# token_logprobs
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (17,), (2, 3, 4)], ids=["B_S", "packed_T", "three_leading_dims"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+def test_token_logprobs_matches_log_softmax_gather_for_any_leading_shape(shape, temperature):
+    vocab = 29
+    logits = _leaf(_logits((*shape, vocab)))
+    labels = _labels(shape, vocab)
+    weights = torch.randn(shape, generator=_gen(2))
+
+    out = lmloss.token_logprobs(logits, labels, chunk_size=4, temperature=temperature)
+    (out * weights).sum().backward()
+
+    x64 = _leaf64(logits)
+    ref = _ref_logprobs(x64, labels, temperature=temperature)
+    (ref * weights.double()).sum().backward()
+
+    assert out.dtype == torch.float32 and out.shape == labels.shape
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_token_logprobs_on_a_single_position_with_scalar_label():
+    logits = _leaf(_logits((13,)))
+    label = torch.tensor(4)
+    out = lmloss.token_logprobs(logits, label)
+    out.backward()
+    x64 = _leaf64(logits)
+    ref = torch.log_softmax(x64, dim=-1)[4]
+    ref.backward()
+    assert out.shape == ()
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_empty_token_batch_gives_empty_outputs_and_gradient():
+    logits = torch.zeros(0, 7, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long)
+    out = lmloss.token_logprobs(logits, labels)
+    out.sum().backward()
+    assert out.shape == (0,)
+    assert logits.grad.shape == (0, 7)
+
+
+def test_ignored_positions_give_exactly_zero_and_no_gradient():
+    logits = _leaf(_logits((4, 6, 19)))
+    labels = _labels((4, 6), 19, ignore_every=3)
+    ignored = labels == -100
+    out = lmloss.token_logprobs(logits, labels, chunk_size=5)
+    # large arbitrary upstream weights: ignored rows must still get exactly zero gradient
+    (out * torch.randn(4, 6, generator=_gen(3)) * 100).sum().backward()
+    assert ignored.sum() == 8
+    assert torch.equal(out[ignored], torch.zeros(8))
+    assert torch.equal(logits.grad[ignored], torch.zeros(8, 19))
+    assert (logits.grad[~ignored].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("op", ["token_logprobs", "cross_entropy"])
+def test_ignored_positions_get_no_gradient_even_from_non_finite_upstream(op):
+    logits = _leaf(_logits((4, 6)))
+    labels = torch.tensor([1, -100, 2, -100])
+    upstream = torch.tensor([1.0, float("nan"), 2.0, float("inf")])  # e.g. advantages undefined at padding
+    kwargs = dict(reduction="none") if op == "cross_entropy" else {}
+    (getattr(lmloss, op)(logits, labels, **kwargs) * upstream).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.equal(logits.grad[1::2], torch.zeros(2, 6))
+
+
+def test_custom_ignore_index_inside_the_vocabulary_is_ignored():
+    logits = _leaf(_logits((10, 8)))
+    labels = _labels((10,), 8)
+    labels[[1, 4]] = 5
+    out = lmloss.token_logprobs(logits, labels, ignore_index=5)
+    out.sum().backward()
+    x64 = _leaf64(logits)
+    _ref_logprobs(x64, labels, ignore_index=5).sum().backward()
+    assert (out[labels == 5] == 0).all()
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_return_entropy_gives_differentiable_logprobs_and_unmasked_entropy_under_advantage_weights():
+    logits = _leaf(_logits((5, 7, 23)))
+    labels = _labels((5, 7), 23, ignore_every=4)
+    adv = torch.randn(5, 7, generator=_gen(4))  # per-token RL advantages
+    ent_w = torch.randn(5, 7, generator=_gen(5))  # arbitrary entropy-bonus weights
+    T = 0.8
+
+    logp, ent = lmloss.token_logprobs(logits, labels, chunk_size=6, temperature=T, return_entropy=True)
+    ((logp * adv).sum() + (ent * ent_w).sum()).backward()
+
+    x64 = _leaf64(logits)
+    ref_lp = _ref_logprobs(x64, labels, temperature=T)
+    ref_ent = _ref_entropy(x64, temperature=T)  # every position, ignored ones included
+    ((ref_lp * adv.double()).sum() + (ref_ent * ent_w.double()).sum()).backward()
+
+    assert ent.dtype == torch.float32 and ent.shape == labels.shape
+    assert (ent[labels == -100] > 0).all()
+    torch.testing.assert_close(logp.double(), ref_lp.detach(), **FP32_TOL)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("used", ["logprobs_only", "entropy_only"])
+def test_return_entropy_with_only_one_output_used_gives_that_outputs_gradient(used):
+    logits = _leaf(_logits((9, 17)))
+    labels = _labels((9,), 17, ignore_every=4)
+    logp, ent = lmloss.token_logprobs(logits, labels, chunk_size=4, return_entropy=True)
+    (logp if used == "logprobs_only" else ent).sum().backward()
+    x64 = _leaf64(logits)
+    (_ref_logprobs(x64, labels) if used == "logprobs_only" else _ref_entropy(x64)).sum().backward()
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# token_entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+def test_token_entropy_is_shannon_entropy_of_tempered_softmax_with_gradient(temperature):
+    logits = _leaf(_logits((3, 11, 31)))
+    w = torch.randn(3, 11, generator=_gen(6))
+    ent = lmloss.token_entropy(logits, chunk_size=8, temperature=temperature)
+    (ent * w).sum().backward()
+    x64 = _leaf64(logits)
+    ref = _ref_entropy(x64, temperature=temperature)
+    (ref * w.double()).sum().backward()
+    assert ent.shape == (3, 11) and ent.dtype == torch.float32
+    torch.testing.assert_close(ent.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_token_entropy_of_uniform_logits_is_log_vocab():
+    ent = lmloss.token_entropy(torch.full((4, 50), 2.0))
+    torch.testing.assert_close(ent, torch.full((4,), torch.log(torch.tensor(50.0)).item()))
+
+
+def test_logprobs_and_entropy_of_the_same_logits_backpropagate_together():
+    """SkyRL #1648: two ops reading the same logits, one backward; gradients must add up correctly."""
+    hidden = torch.randn(12, 8, generator=_gen(7), requires_grad=True)
+    weight = torch.randn(8, 27, generator=_gen(8), requires_grad=True)
+    labels = _labels((12,), 27, ignore_every=5)
+    adv = torch.randn(12, generator=_gen(9))
+
+    logits = hidden @ weight  # non-leaf, shared by both ops
+    logp = lmloss.token_logprobs(logits, labels, chunk_size=5)
+    ent = lmloss.token_entropy(logits, chunk_size=3)
+    (-(logp * adv).sum() - 0.01 * ent.sum()).backward()
+
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    x64 = h64 @ w64
+    (-(_ref_logprobs(x64, labels) * adv.double()).sum() - 0.01 * _ref_entropy(x64).sum()).backward()
+
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-4, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward: saved tensors, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backward_never_modifies_saved_logits_and_can_run_twice(dtype):
+    logits = _leaf(_logits((13, 21), dtype=dtype))
+    before = logits.detach().clone()
+    version = logits._version
+    labels = _labels((13,), 21, ignore_every=4)
+    logp, ent = lmloss.token_logprobs(logits, labels, chunk_size=4, return_entropy=True)
+    loss = logp.sum() + ent.sum() + lmloss.cross_entropy(logits, labels, chunk_size=5, label_smoothing=0.1)
+    loss.backward(retain_graph=True)
+    first = logits.grad.clone()
+    logits.grad = None
+    loss.backward()  # a second backward would see any in-place change of a saved tensor
+    assert logits._version == version
+    assert torch.equal(logits.detach(), before)
+    assert torch.equal(logits.grad, first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["token_logprobs", "token_entropy", "cross_entropy"])
+def test_gradient_dtype_is_the_logits_dtype(dtype, op):
+    logits = _leaf(_logits((6, 10), dtype=dtype))
+    labels = _labels((6,), 10)
+    if op == "token_entropy":
+        out = lmloss.token_entropy(logits, chunk_size=4)
+    else:
+        out = getattr(lmloss, op)(logits, labels, chunk_size=4)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert logits.grad.dtype == dtype
+    assert logits.grad.shape == logits.shape
+
+
+# ----------------------------------------------------------------------------------------------------------
+# cross_entropy
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_reductions_match_f_cross_entropy(reduction):
+    logits = _leaf(_logits((4, 9, 33)))
+    labels = _labels((4, 9), 33, ignore_every=5)
+    out = lmloss.cross_entropy(logits, labels, chunk_size=7, reduction=reduction)
+    upstream = torch.randn(4, 9, generator=_gen(10)) if reduction == "none" else torch.tensor(1.0)
+    (out * upstream).sum().backward()
+
+    x64 = _leaf64(logits)
+    ref = F.cross_entropy(x64.reshape(-1, 33), labels.reshape(-1), reduction=reduction)
+    if reduction == "none":
+        ref = ref.view(4, 9)
+    (ref * upstream.double()).sum().backward()
+
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_cross_entropy_with_temperature_is_cross_entropy_of_scaled_logits():
+    logits = _leaf(_logits((15, 12)))
+    labels = _labels((15,), 12, ignore_every=6)
+    out = lmloss.cross_entropy(logits, labels, temperature=1.7, chunk_size=4)
+    out.backward()
+    x64 = _leaf64(logits)
+    F.cross_entropy(x64 / 1.7, labels).backward()
+    torch.testing.assert_close(out.double(), F.cross_entropy(x64.detach() / 1.7, labels), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_with_every_token_ignored_is_zero_with_zero_gradient(reduction):
+    logits = _leaf(_logits((3, 4, 10)))
+    labels = torch.full((3, 4), -100)
+    out = lmloss.cross_entropy(logits, labels, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
+    out.backward()
+    assert out.item() == 0.0
+    assert not torch.isnan(out)
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.1, 0.5, 1.0])
+def test_label_smoothing_matches_f_cross_entropy(label_smoothing):
+    logits = _leaf(_logits((21, 17)))
+    labels = _labels((21,), 17, ignore_every=4)
+    out = lmloss.cross_entropy(logits, labels, label_smoothing=label_smoothing, temperature=0.9, chunk_size=5)
+    out.backward()
+    x64 = _leaf64(logits)
+    ref = F.cross_entropy(x64 / 0.9, labels, label_smoothing=label_smoothing)
+    ref.backward()
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_z_loss_adds_squared_logsumexp_per_non_ignored_token():
+    logits = _leaf(_logits((2, 8, 14), scale=4.0))
+    labels = _labels((2, 8), 14, ignore_every=3)
+    z, T = 1e-2, 1.3
+    w = torch.randn(2, 8, generator=_gen(11))
+    out = lmloss.cross_entropy(logits, labels, z_loss=z, temperature=T, reduction="none", chunk_size=3)
+    (out * w).sum().backward()
+
+    x64 = _leaf64(logits)
+    nll = F.cross_entropy((x64 / T).reshape(-1, 14), labels.reshape(-1), reduction="none").view(2, 8)
+    lse = torch.logsumexp(x64 / T, dim=-1)
+    ref = torch.where(labels != -100, nll + z * lse**2, torch.zeros_like(nll))
+    (ref * w.double()).sum().backward()
+
+    assert (out[labels == -100] == 0).all()
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_z_loss_and_label_smoothing_combine_in_mean_reduction():
+    logits = _leaf(_logits((19, 11)))
+    labels = _labels((19,), 11, ignore_every=5)
+    out = lmloss.cross_entropy(logits, labels, z_loss=1e-3, label_smoothing=0.2, chunk_size=6)
+    out.backward()
+    x64 = _leaf64(logits)
+    valid = labels != -100
+    smoothed = F.cross_entropy(x64, labels, label_smoothing=0.2, reduction="none")
+    zl = 1e-3 * torch.logsumexp(x64, -1) ** 2
+    ref = torch.where(valid, smoothed + zl, torch.zeros_like(zl)).sum() / valid.sum()
+    ref.backward()
+    torch.testing.assert_close(out.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# chunk_size: bit-identical in fp32
+
+
+def _all_outputs(logits, labels, chunk_size):
+    """Values and gradients of every op (with options that exercise every backward term)."""
+    x = _leaf(logits)
+    w = torch.randn(labels.shape, generator=_gen(12))
+    logp, ent = lmloss.token_logprobs(x, labels, chunk_size=chunk_size, temperature=0.7, return_entropy=True)
+    ent2 = lmloss.token_entropy(x, chunk_size=chunk_size, temperature=1.3)
+    ce = lmloss.cross_entropy(
+        x, labels, chunk_size=chunk_size, label_smoothing=0.1, z_loss=1e-3, reduction="none"
+    )
+    ((logp * w).sum() + (ent * w.flip(0)).sum() + ent2.sum() + (ce * w.abs()).sum()).backward()
+    return [logp.detach(), ent.detach(), ent2.detach(), ce.detach(), x.grad]
+
+
+def test_fp32_values_and_gradients_are_bit_identical_for_every_chunk_size():
+    logits = _logits((37, 301))
+    labels = _labels((37,), 301, ignore_every=5)
+    expected = _all_outputs(logits, labels, None)
+    for chunk_size in (1, 7, 64, 36, 37, 1000):
+        got = _all_outputs(logits, labels, chunk_size)
+        for name, a, b in zip(
+            ("logprobs", "entropy", "token_entropy", "cross_entropy", "grad"), got, expected
+        ):
+            assert torch.equal(a, b), f"{name} differs at chunk_size={chunk_size}"
+
+
+def test_fp32_chunk_results_are_bit_identical_with_a_vocabulary_above_torch_grain_size():
+    logits = _logits((3, 40000), seed=0)
+    labels = _labels((3,), 40000)
+
+    def run(chunk_size):
+        x = _leaf(logits)
+        logp, ent = lmloss.token_logprobs(x, labels, chunk_size=chunk_size, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+        return [logp.detach(), ent.detach(), x.grad]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected, got = run(None), run(1)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vocab_size: embedding padding
+
+
+def test_padding_columns_are_excluded_from_every_output_and_get_zero_gradient():
+    vocab, padded = 21, 32
+    logits = _logits((6, 5, padded))
+    logits[..., vocab:] = 40.0  # padding with huge logits would dominate the softmax if it were counted
+    logits = _leaf(logits)
+    labels = _labels((6, 5), vocab, ignore_every=4)
+    w = torch.randn(6, 5, generator=_gen(13))
+
+    logp, ent = lmloss.token_logprobs(logits, labels, vocab_size=vocab, chunk_size=7, return_entropy=True)
+    ent2 = lmloss.token_entropy(logits, vocab_size=vocab, chunk_size=4, temperature=0.6)
+    ce = lmloss.cross_entropy(logits, labels, vocab_size=vocab, label_smoothing=0.3, z_loss=1e-3)
+    ((logp * w).sum() + (ent * w).sum() + ent2.sum() + ce).backward()
+
+    x64 = _leaf64(logits)
+    r_lp = _ref_logprobs(x64, labels, vocab_size=vocab)
+    r_ent = _ref_entropy(x64, vocab_size=vocab)
+    r_ent2 = _ref_entropy(x64, vocab_size=vocab, temperature=0.6)
+    real = x64[..., :vocab].reshape(-1, vocab)
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != -100
+    per_tok = F.cross_entropy(real, flat_labels, label_smoothing=0.3, reduction="none")
+    per_tok = per_tok + 1e-3 * torch.logsumexp(real, -1) ** 2
+    r_ce = torch.where(valid, per_tok, torch.zeros_like(per_tok)).sum() / valid.sum()
+    ((r_lp * w.double()).sum() + (r_ent * w.double()).sum() + r_ent2.sum() + r_ce).backward()
+
+    torch.testing.assert_close(logp.double(), r_lp.detach(), **FP32_TOL)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), **FP32_TOL)
+    torch.testing.assert_close(ent2.double(), r_ent2.detach(), **FP32_TOL)
+    torch.testing.assert_close(ce.double(), r_ce.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+    assert torch.equal(logits.grad[..., vocab:], torch.zeros(6, 5, padded - vocab))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# low precision: fp32 math on the upcast inputs
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grad_atol"),
+    [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)],  # the gradient is rounded once to the logits' dtype
+    ids=["bf16", "fp16"],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_low_precision_logits_match_fp64_reference_of_the_same_values(dtype, grad_atol, temperature):
+    logits = _leaf(_logits((4, 16, 200), dtype=dtype))
+    labels = _labels((4, 16), 200, ignore_every=7)
+    adv = torch.randn(4, 16, generator=_gen(14))
+    T = temperature
+
+    logp, ent = lmloss.token_logprobs(logits, labels, chunk_size=10, temperature=T, return_entropy=True)
+    ce = lmloss.cross_entropy(logits, labels, chunk_size=10, temperature=T, label_smoothing=0.1)
+    ((logp * adv).sum() + ent.sum() + ce).backward()
+
+    x64 = _leaf64(logits)  # the exact low-precision values, upcast
+    r_lp = _ref_logprobs(x64, labels, temperature=T)
+    r_ent = _ref_entropy(x64, temperature=T)
+    r_ce = F.cross_entropy((x64 / T).reshape(-1, 200), labels.reshape(-1), label_smoothing=0.1)
+    ((r_lp * adv.double()).sum() + r_ent.sum() + r_ce).backward()
+
+    # values are fp32 computations on exactly representable inputs: fp32 rounding only
+    torch.testing.assert_close(logp.double(), r_lp.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ce.double(), r_ce.detach(), atol=2e-5, rtol=1e-5)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.double(), x64.grad, atol=grad_atol, rtol=1e-2)
+    # the gradient is computed in fp32 and rounded once: within one ulp of the fp64 gradient rounded to dtype
+    rounded = x64.grad.to(dtype).double()
+    ulp = rounded.abs() * torch.finfo(dtype).eps + 1e-7
+    assert ((logits.grad.double() - rounded).abs() <= ulp).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# -inf logits (masked vocabulary)
+
+
+def test_entropy_ignores_minus_inf_masked_columns():
+    logits = _logits((4, 10))
+    logits[:, 6:] = float("-inf")  # e.g. tokens masked out by the sampler
+    logits = _leaf(logits)
+    ent = lmloss.token_entropy(logits)
+    ent.sum().backward()
+    x64 = _leaf64(logits[:, :6])
+    ref = _ref_entropy(x64)
+    ref.sum().backward()
+    torch.testing.assert_close(ent.double(), ref.detach(), **FP32_TOL)
+    torch.testing.assert_close(logits.grad[:, :6].double(), x64.grad, **FP32_TOL)
+    assert torch.equal(logits.grad[:, 6:], torch.zeros(4, 4))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def _ok():
+    return torch.randn(3, 4, 10), torch.randint(0, 10, (3, 4))
+
+
+BAD_INPUTS = [
+    # (id, op, kwargs overriding the good call, exception, word the message must contain)
+    ("labels_shape", "all_labelled", dict(labels=torch.zeros(3, 5, dtype=torch.long)), ValueError, "labels"),
+    ("labels_rank", "all_labelled", dict(labels=torch.zeros(12, dtype=torch.long)), ValueError, "labels"),
+    ("int_logits", "all", dict(logits=torch.zeros(3, 4, 10, dtype=torch.long)), TypeError, "logits"),
+    ("float_labels", "all_labelled", dict(labels=torch.zeros(3, 4)), TypeError, "labels"),
+    ("bool_labels", "all_labelled", dict(labels=torch.zeros(3, 4, dtype=torch.bool)), TypeError, "labels"),
+    ("label_equal_vocab", "all_labelled", dict(labels=torch.full((3, 4), 10)), ValueError, "labels"),
+    ("label_negative", "all_labelled", dict(labels=torch.full((3, 4), -1)), ValueError, "labels"),
+    (
+        "label_in_padding",
+        "all_labelled",
+        dict(labels=torch.full((3, 4), 8), vocab_size=8),
+        ValueError,
+        "labels",
+    ),
+    ("chunk_size_zero", "all", dict(chunk_size=0), ValueError, "chunk_size"),
+    ("chunk_size_negative", "all", dict(chunk_size=-4), ValueError, "chunk_size"),
+    ("temperature_zero", "all", dict(temperature=0.0), ValueError, "temperature"),
+    ("temperature_negative", "all", dict(temperature=-1.0), ValueError, "temperature"),
+    ("unknown_reduction", "cross_entropy", dict(reduction="avg"), ValueError, "reduction"),
+    ("vocab_start_single_process", "all", dict(vocab_start=3), ValueError, "vocab_start"),
+    ("vocab_size_too_large", "all", dict(vocab_size=11), ValueError, "vocab_size"),
+]
+
+
+def _call(op, logits, labels, **kwargs):
+    if op == "token_entropy":
+        return lmloss.token_entropy(logits, **kwargs)
+    return getattr(lmloss, op)(logits, labels, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "ops", "override", "exc", "word"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_input_raises_naming_the_argument(case, ops, override, exc, word):
+    ops = {
+        "all": ["token_logprobs", "token_entropy", "cross_entropy"],
+        "all_labelled": ["token_logprobs", "cross_entropy"],
+        "cross_entropy": ["cross_entropy"],
+    }[ops]
+    for op in ops:
+        logits, labels = _ok()
+        kwargs = dict(override)
+        logits = kwargs.pop("logits", logits)
+        labels = kwargs.pop("labels", labels)
+        with pytest.raises(exc, match=word):
+            _call(op, logits, labels, **kwargs)
+
+
+def test_ignore_index_label_is_not_out_of_range():
+    logits, labels = _ok()
+    labels[0, 0] = -7
+    out = lmloss.token_logprobs(logits, labels, ignore_index=-7)
+    assert out[0, 0] == 0.0
