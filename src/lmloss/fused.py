@@ -1,8 +1,9 @@
 """Log-probs, entropy and cross-entropy straight from hidden states and the LM-head weight.
 
 Per chunk of tokens the logits ``hidden[s:e] @ weight.T + bias`` (temperature folded into the matmul) are
-made in fp32, reduced by `lmloss.logits`' per-chunk kernels and dropped; no ``[tokens, V_local]`` tensor
-ever exists. Two ways through:
+made by one matmul in the inputs' dtype (bf16 / fp16 GEMMs accumulate in fp32 but round their output),
+reduced in fp32 by `lmloss.logits`' per-chunk kernels and dropped; no ``[tokens, V_local]`` tensor ever
+exists. Two ways through:
 
 * per-token outputs (`linear_token_logprobs`, ``reduction="none"``): the backward recomputes each chunk's
   logits and turns arbitrary per-token upstream gradients (RL advantages) into gradients.
@@ -210,11 +211,16 @@ class _LinearSoftmaxPerToken(torch.autograd.Function):
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
-    """Scalar ``sum`` of per-token losses; gradients computed in the forward pass, scaled in backward."""
+    """Scalar ``sum`` of per-token losses; gradients computed in the forward pass, scaled in backward.
+
+    The backward scales the saved fp32 gradients in place (no second weight-sized buffer), so it can run
+    once per forward: a second backward through the same graph (``retain_graph=True``) raises.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, plan: _FusedPlan):
-        needs = ctx.needs_input_grad[:3]
+    def forward(ctx, hidden, weight, bias, labels, plan: _FusedPlan, grad_enabled: bool):
+        # grad mode is always off inside forward(): the caller says whether gradients will be wanted
+        needs = tuple(n and grad_enabled for n in ctx.needs_input_grad[:3])
         grads = _Grads.zeros(hidden, weight, bias, needs) if any(needs) else None
         results, _ = _forward(hidden, weight, bias, labels, plan, grads)
         ctx.plan, ctx.grads = plan, grads
@@ -224,10 +230,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, bias = ctx.saved_tensors
-        grads, ctx.grads = ctx.grads, None
+        if ctx.grads == "used":
+            raise RuntimeError(
+                "lmloss.linear_cross_entropy with reduction='sum'/'mean' computes its gradients in the forward "
+                "and hands them out once; for a second backward through the same graph use reduction='none' "
+                "and reduce the per-token losses yourself"
+            )
+        grads, ctx.grads = ctx.grads, "used"
         if grads is None:
-            return None, None, None, None, None
-        return (*_cast_grads(grads, hidden, weight, bias, ctx.plan, grad_total), None, None)
+            return None, None, None, None, None, None
+        return (*_cast_grads(grads, hidden, weight, bias, ctx.plan, grad_total), None, None, None)
 
 
 def _prepare(
@@ -368,5 +380,5 @@ def linear_cross_entropy(
     if reduction == "none":
         (per_token,) = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan)
         return per_token.view(shape)
-    total = _LinearCrossEntropySum.apply(flat, weight, bias, flat_labels, plan)
+    total = _LinearCrossEntropySum.apply(flat, weight, bias, flat_labels, plan, torch.is_grad_enabled())
     return reduce_loss(total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group)

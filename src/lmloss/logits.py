@@ -122,10 +122,10 @@ def softmax_chunk_forward(
     Two collectives over ``spec.shard.group``: MAX of the row maxima, then one SUM of the packed partial
     sums. Everything is computed in fp32 relative to the global row max.
 
-    `x` is left as it is, unless `overwrite` is set, `x` is fp32 and the entropy is not asked for: then
-    the kernel works in place and leaves ``exp(x * scale - row_max)`` in ``x``'s valid columns, which
-    `softmax_grad_from_exps_` turns into a gradient without recomputing anything (the fused path owns
-    its logits chunk and uses this to hold one chunk-sized tensor instead of two).
+    `x` is left as it is unless `overwrite` is set and `x` is fp32: then the kernel works in place (the
+    fused path owns its logits chunk and so holds one chunk-sized tensor fewer). Without the entropy it
+    leaves ``exp(x * scale - row_max)`` in ``x``'s valid columns, which `softmax_grad_from_exps_` turns
+    into a gradient without recomputing anything; with the entropy, ``x * scale - row_max``.
     """
     with _serial_row_reductions(x.shape[0], x.device):
         return _softmax_chunk_forward(x, labels, spec, overwrite)
@@ -143,7 +143,7 @@ def _softmax_chunk_forward(x, labels, spec: SoftmaxSpec, overwrite: bool) -> Chu
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
     all_reduce_max_(row_max, shard.group)
 
-    in_place = overwrite and x.dtype == torch.float32 and not spec.entropy
+    in_place = overwrite and x.dtype == torch.float32
     shifted = xv if in_place else xv.to(torch.float32, copy=True)
     if spec.scale != 1.0:
         shifted.mul_(spec.scale)
