@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lmloss.packing import PackedBatch, check_cu_seqlens, sequence_ids, token_mask
+from lmloss.vocab_parallel import reduce_scatter_rows
 
 ProcessGroup = dist.ProcessGroup
 
@@ -121,26 +122,35 @@ def split(
 class _GatherCP(torch.autograd.Function):
     """All-gather the CP slices and put every position back where it belongs in the full buffer.
 
-    Backward returns this rank's own slice of the incoming gradient, unscaled: the gathered tensor is
-    one value replicated on every rank, not a sum of per-rank contributions.
+    Backward, by default: this rank's own slice of the incoming gradient, unscaled — the gathered tensor
+    is one value replicated on every rank, used the same way by each. With `sum_grads`: the sum over
+    ranks of the gradient at this rank's positions (a reduce-scatter) — for a gathered tensor that each
+    rank uses differently, such as attention keys/values read by every rank's own queries.
     """
 
     @staticmethod
-    def forward(ctx, local, cu_seqlens, group, dim, layout):
+    def forward(ctx, local, cu_seqlens, group, dim, layout, sum_grads):
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         moved = local.movedim(dim, 0).contiguous()
         parts = [torch.empty_like(moved) for _ in range(cp_size)]
         dist.all_gather(parts, moved, group=group)
+        # rank-major order of positions: rank r's positions form the r-th block of rows
+        order = torch.cat([partition_index(cu_seqlens, cp_size, r, layout) for r in range(cp_size)])
+        order = order.to(moved.device)
         full = moved.new_empty((moved.shape[0] * cp_size, *moved.shape[1:]))
-        for r, part in enumerate(parts):
-            full[partition_index(cu_seqlens, cp_size, r, layout).to(full.device)] = part
-        ctx.index = partition_index(cu_seqlens, cp_size, cp_rank, layout).to(full.device)
-        ctx.dim = dim
+        full[order] = torch.cat(parts)
+        rows = moved.shape[0]
+        ctx.index = order if sum_grads else order[cp_rank * rows : (cp_rank + 1) * rows]
+        ctx.dim, ctx.group, ctx.sum_grads = dim, group, sum_grads
         return full.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(ctx.dim, ctx.index), None, None, None, None
+        if not ctx.sum_grads:
+            return grad.index_select(ctx.dim, ctx.index), None, None, None, None, None
+        rows = grad.movedim(ctx.dim, 0).index_select(0, ctx.index).contiguous()
+        mine = reduce_scatter_rows(rows, ctx.group)
+        return mine.movedim(0, ctx.dim), None, None, None, None, None
 
 
 def gather(
@@ -150,6 +160,7 @@ def gather(
     *,
     dim: int = 0,
     layout: str = "zigzag",
+    sum_grads: bool = False,
 ) -> torch.Tensor:
     """Inverse of `split`: the full packed tensor from every CP rank's slice.
 
@@ -162,6 +173,10 @@ def gather(
         ``[..., T, ...]`` on every rank. Differentiable: the backward hands each rank its own positions of
         the gradient, with no ``cp_size`` scaling. Gather only what is small (per-token values); the loss
         itself is computed on local logits.
+
+    `sum_grads`: when each rank uses the gathered tensor differently (attention keys/values, read by each
+    rank's own queries), the gradient at a position is the sum of every rank's; set it to reduce-scatter
+    the gradient instead of slicing it.
     """
     _check_layout(layout)
     dim = dim % max(local.dim(), 1)
@@ -179,7 +194,7 @@ def gather(
             f"local has {local.shape[dim]} positions along dim {dim}; cp_size={cp_size} ranks hold "
             f"{local.shape[dim] * cp_size} but cu_seqlens covers {total}"
         )
-    return _GatherCP.apply(local, cu_seqlens, group, dim, layout)
+    return _GatherCP.apply(local, cu_seqlens, group, dim, layout, sum_grads)
 
 
 def split_batch(
