@@ -25,7 +25,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(VENV)/bin/lmloss bench
+	$(VENV)/bin/lmloss sft --nproc 2 --cp 2 --head-memory-vocab 151936 --out runs/demo
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

@@ -1,0 +1,209 @@
+"""The DP x CP x TP layout of the processes, its process groups, and the few collectives the trainer adds.
+
+Rank layout (TP innermost, like Megatron): ``rank = ranks[(dp_rank * cp + cp_rank) * tp + tp_rank]``.
+
+Groups each rank holds (None where that dimension has size 1, so single-process code has no collectives):
+
+* ``tp_group``: same (dp, cp): the ranks sharing one token slice; the LM head is vocab-sharded over it.
+* ``cp_group``: same (dp, tp): the ranks sharing one packed micro-batch; attention gathers K/V over it.
+* ``dp_cp_group``: same tp: the ranks holding different tokens of the global batch; gradients and token
+  counts are summed over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclasses.dataclass
+class Mesh:
+    """This rank's coordinates and groups. `world` is the group of all ranks of the run."""
+
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    dp_rank: int = 0
+    cp_rank: int = 0
+    tp_rank: int = 0
+    rank: int = 0  # index within the run (0 .. dp*cp*tp - 1)
+    world: ProcessGroup | None = None
+    tp_group: ProcessGroup | None = None
+    cp_group: ProcessGroup | None = None
+    dp_cp_group: ProcessGroup | None = None
+    tp_src: int = 0  # global rank of tp_rank 0 in this rank's TP group (the one that loads batches)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {"pp": 0, "dp": self.dp_rank, "cp": self.cp_rank, "tp": self.tp_rank}
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def build(cls, dp: int, cp: int, tp: int, ranks: Sequence[int] | None = None) -> Mesh | None:
+        """Create the groups of a dp x cp x tp layout over `ranks` (default: the whole default group).
+
+        Every process of the default group must call this (torch requires all of them to take part in
+        creating every group); those not in `ranks` get None.
+        """
+        world_size = dist.get_world_size()
+        ranks = list(range(world_size)) if ranks is None else list(ranks)
+        if dp * cp * tp != len(ranks):
+            raise ValueError(
+                f"dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp} does not match the {len(ranks)} processes "
+                "launched; launch dp*cp*tp processes (torchrun --nproc-per-node, or --nproc)"
+            )
+
+        def at(d: int, c: int, t: int) -> int:
+            return ranks[(d * cp + c) * tp + t]
+
+        me = dist.get_rank()
+        mesh = None
+        if me in ranks:
+            i = ranks.index(me)
+            mesh = cls(
+                dp=dp, cp=cp, tp=tp, dp_rank=i // (cp * tp), cp_rank=(i // tp) % cp, tp_rank=i % tp, rank=i
+            )
+        world = dist.new_group(ranks)
+        tp_groups = {(d, c): [at(d, c, t) for t in range(tp)] for d in range(dp) for c in range(cp)}
+        cp_groups = {(d, t): [at(d, c, t) for c in range(cp)] for d in range(dp) for t in range(tp)}
+        dpcp_groups = {t: [at(d, c, t) for d in range(dp) for c in range(cp)] for t in range(tp)}
+        made = {}
+        for name, groups in (("tp", tp_groups), ("cp", cp_groups), ("dp_cp", dpcp_groups)):
+            for members in groups.values():
+                group = dist.new_group(members)  # every process calls new_group, in the same order
+                if mesh is not None and me in members:
+                    made[name] = (group, members)
+        if mesh is None:
+            return None
+        mesh.world = world
+        mesh.tp_group = made["tp"][0] if tp > 1 else None
+        mesh.cp_group = made["cp"][0] if cp > 1 else None
+        mesh.dp_cp_group = made["dp_cp"][0] if dp * cp > 1 else None
+        mesh.tp_src = made["tp"][1][0]
+        return mesh
+
+
+def all_reduce_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """In-place SUM over `group`; nothing for a single rank."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_reduce_grads_(params: Iterable[torch.nn.Parameter], group: ProcessGroup | None) -> None:
+    """SUM the gradients over `group` in one flat buffer (one collective).
+
+    SUM, not average: each rank's loss is already divided by the global count of target tokens.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grad_norm(
+    replicated: Iterable[torch.nn.Parameter],
+    sharded: Iterable[torch.nn.Parameter],
+    tp_group: ProcessGroup | None,
+) -> float:
+    """Global L2 norm of the gradients: replicated parameters counted once, TP shards summed over `tp_group`."""
+    rep = [p.grad.detach() for p in replicated if p.grad is not None]
+    shard = [p.grad.detach() for p in sharded if p.grad is not None]
+    device = (rep + shard)[0].device
+
+    def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum(
+            (g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device)
+        )
+
+    return float((squares(rep) + all_reduce_(squares(shard), tp_group)).sqrt())
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward SUMs the gradient over the TP group (each rank's covers one vocab shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous().clone(), ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Mark `x` as replicated over TP ranks that each use it against their own vocab shard (naive head)."""
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------- launching
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _spawned_worker(
+    local_rank: int, nproc: int, port: int, device_name: str, fn: Callable, args: tuple
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank))  # fmt: skip
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    run_distributed(fn, device_name, *args)
+
+
+def run_distributed(fn: Callable, device_name: str, *args):
+    """In a torchrun-style process (RANK, WORLD_SIZE, MASTER_* set): init, call ``fn(device, *args)``, clean up."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_name, local_rank)
+    dist.init_process_group(backend_for(device), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    try:
+        return fn(device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(nproc: int, device_name: str, fn: Callable, *args) -> None:
+    """Start `nproc` local processes, each running ``fn(device, *args)`` under an initialised default group."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned_worker, args=(nproc, free_port(), device_name, fn, args), nprocs=nproc,
+                       start_method="spawn")  # fmt: skip

@@ -1,0 +1,153 @@
+"""`lmloss sft` under DP x CP x TP on gloo: every layout trains exactly like one process.
+
+All layouts run inside ONE 4-process launch (each launch costs seconds of imports and group set-up):
+DP=2 x CP=2 and TP=2 x CP=2 over all four ranks, then CP=2 on ranks {0, 1} and TP=2 on ranks {2, 3} at
+the same time, then TP=2 with the naive logits head on ranks {0, 1}. The single-process reference runs in the test process itself. The
+memory profiler and the world-size check ride along in the same launch.
+
+Tolerances (fp32): the step-1 loss and gradient norm, and every later step's loss (STEPS steps of AdamW),
+agree with one process to rtol 1e-5. Only the order of summation differs (attention over the gathered
+K/V, vocab shards combined over TP, gradients summed over ranks); the observed differences are ~1e-7.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from lmloss.sft.config import SFTConfig  # noqa: E402
+from lmloss.sft.parallel import Mesh  # noqa: E402
+from lmloss.sft.trainer import Trainer, prepare_data  # noqa: E402
+
+STEPS = 20
+LAYOUTS = {  # name: (dp, cp, tp, ranks, extra config)
+    "dp2_cp2": (2, 2, 1, [0, 1, 2, 3], {"memory_profile": {"profile_steps": [1]}}),
+    "tp2_cp2": (1, 2, 2, [0, 1, 2, 3], {"memory_profile": {"profile_steps": [2], "ranks": [0, 3]}}),
+    "cp2": (1, 2, 1, [0, 1], {}),
+    "tp2": (1, 1, 2, [2, 3], {}),
+    "tp2_naive": (1, 1, 2, [0, 1], {"loss_impl": "naive"}),
+}
+SIDE_BY_SIDE = (("cp2", "tp2"), ("tp2_naive",))  # 2-rank layouts that run at the same time
+
+
+def _config(out: str, tokenizer: str | None, dp: int = 1, cp: int = 1, tp: int = 1, **extra) -> SFTConfig:
+    # 2 micro-batches of 256 tokens per step, so DP=2 and one process see the same global batch;
+    # 1024 embedding rows for 512 tokens: the padded rows are masked in the loss
+    return SFTConfig(out=out, tokenizer=tokenizer, dp=dp, cp=cp, tp=tp, micro_batches=2, tokens_per_batch=256,
+                     steps=STEPS, warmup_steps=2, lr=3e-3, vocab_size=1024, head_memory=False, track_memory=False,
+                     progress=False, **extra)  # fmt: skip
+
+
+def _train(trainer: Trainer) -> dict[str, list[float]]:
+    rows = [trainer.run_step() for _ in range(STEPS)]
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
+            "n_tokens": [r["n_tokens"] for r in rows]}  # fmt: skip
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, tokenizer: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        prepared = prepare_data(_config(out_dir, tokenizer))
+        try:
+            Mesh.build(2, 2, 2)
+        except ValueError as err:
+            results["bad_layout_error"] = str(err)
+
+        def trainer(name: str, mesh: Mesh) -> Trainer:
+            dp, cp, tp, _, extra = LAYOUTS[name]
+            cfg = _config(f"{out_dir}/{name}", tokenizer, dp, cp, tp, **extra)
+            return Trainer(cfg, mesh, torch.device("cpu"), prepared)
+
+        for name in ("dp2_cp2", "tp2_cp2"):
+            results[name] = _train(trainer(name, Mesh.build(*LAYOUTS[name][:4])))
+        # 2-rank layouts side by side: every rank takes part in creating every group, then uses its own
+        for names in SIDE_BY_SIDE:
+            meshes = {name: Mesh.build(*LAYOUTS[name][:4]) for name in names}
+            for name, mesh in meshes.items():
+                if mesh is not None:
+                    results[name] = _train(trainer(name, mesh))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The single-process reference and every rank's results of the 4-process launch."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        cfg = _config(out_dir, None)
+        prepared = prepare_data(cfg)  # trains the tokenizer once, cached as out_dir/tokenizer.json
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the 2-core CI machine: more threads only contend
+        try:
+            reference = _train(Trainer(cfg, Mesh(), torch.device("cpu"), prepared))
+            # fork: the children inherit the imported torch/transformers instead of importing them again
+            mp.start_processes(_worker, args=(4, _free_port(), out_dir, os.path.join(out_dir, "tokenizer.json")),
+                               nprocs=4, start_method="fork")  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(4)]
+        out = Path(out_dir)
+        memory = {name: sorted(str(p.relative_to(out / name / "memory")) for p in out.glob(f"{name}/memory/**/*.json"))
+                  for name in ("dp2_cp2", "tp2_cp2", "cp2")}  # fmt: skip
+        reports = {p: json.loads((out / "dp2_cp2" / "memory" / p).read_text()) for p in memory["dp2_cp2"]}
+        yield {"reference": reference, "per_rank": per_rank, "memory": memory, "reports": reports}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process(runs, name):
+    ref = runs["reference"]
+    ref_loss, ref_norm = torch.tensor(ref["loss"]), torch.tensor(ref["grad_norm"])
+    assert ref_loss[-5:].mean() < ref_loss[0] - 1.0, "the reference run should learn"
+    for r in LAYOUTS[name][3]:
+        got = runs["per_rank"][r][name]
+        assert got["n_tokens"] == ref["n_tokens"], f"rank {r} saw another global batch"
+        loss, norm = torch.tensor(got["loss"]), torch.tensor(got["grad_norm"])
+        torch.testing.assert_close(loss[0], ref_loss[0], rtol=1e-5, atol=0, msg=f"rank {r}: step-1 loss")
+        torch.testing.assert_close(norm[0], ref_norm[0], rtol=1e-5, atol=0, msg=f"rank {r}: step-1 grad norm")
+        torch.testing.assert_close(
+            loss, ref_loss, rtol=1e-5, atol=0, msg=f"rank {r}: losses over {STEPS} steps"
+        )
+
+
+def test_memory_profiler_writes_one_report_per_rank_for_configured_steps_only(runs):
+    assert runs["memory"]["dp2_cp2"] == [
+        "step_1/rank0_pp0_dp0_cp0_tp0.json",
+        "step_1/rank1_pp0_dp0_cp1_tp0.json",
+        "step_1/rank2_pp0_dp1_cp0_tp0.json",
+        "step_1/rank3_pp0_dp1_cp1_tp0.json",
+    ]
+    assert runs["memory"]["tp2_cp2"] == [
+        "step_2/rank0_pp0_dp0_cp0_tp0.json",
+        "step_2/rank3_pp0_dp0_cp1_tp1.json",
+    ]
+    assert runs["memory"]["cp2"] == []  # not configured: nothing written
+    for report in runs["reports"].values():
+        assert report["step"] == 1 and report["peak_bytes"] > 0
+
+
+def test_layout_that_does_not_match_the_world_size_is_rejected(runs):
+    for r in range(4):
+        assert (
+            "dp*cp*tp = 2*2*2 = 8 does not match the 4 processes" in runs["per_rank"][r]["bad_layout_error"]
+        )

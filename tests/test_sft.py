@@ -1,0 +1,217 @@
+"""`lmloss sft` on one process: data, tokenizer, packed attention, learning, resume, bad input.
+
+The multi-process layouts (DP x CP x TP) are checked against these single-process runs in
+tests/distributed/test_sft_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from lmloss.sft import cli, data, tasks  # noqa: E402
+from lmloss.sft.attention import PackedAttention, packed_causal_mask  # noqa: E402
+from lmloss.sft.config import SFTConfig  # noqa: E402
+from lmloss.sft.launch import run  # noqa: E402
+from lmloss.sft.model import build_model  # noqa: E402
+from lmloss.sft.tokenizer import prepare_tokenizer, train_bpe  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: more threads only contend on a small machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> str:
+    texts = [(e.prompt or "") + e.text for e in data.load_jsonl(None)]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    prepare_tokenizer(texts, 512, path)
+    return str(path)
+
+
+def _config(out: Path, tokenizer: str, **kw) -> SFTConfig:
+    base = dict(out=str(out), tokenizer=tokenizer, tokens_per_batch=256, steps=4, warmup_steps=2,
+                head_memory=False, track_memory=False, progress=False)  # fmt: skip
+    return SFTConfig(**{**base, **kw})
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- data and tokenizer ------------------------------------------------------------------------------
+
+
+def test_shipped_dataset_is_the_generators_output():
+    shipped = [json.loads(line) for line in data.default_dataset_path().read_text().splitlines()]
+    assert shipped == tasks.generate()
+
+
+def test_bpe_training_is_deterministic_and_cached(tmp_path):
+    texts = ["next: monday\n tuesday", "add: 1 + 2\n 3"] * 50
+    assert train_bpe(texts, 300).to_str() == train_bpe(texts, 300).to_str()
+    first = prepare_tokenizer(texts, 300, tmp_path / "tok.json")
+    again = prepare_tokenizer(["other text entirely"], 300, tmp_path / "tok.json")  # read from the cache
+    assert again.encode("add: 1 + 2") == first.encode("add: 1 + 2")
+
+
+def test_prompt_tokens_are_not_targets_and_eos_is(tokenizer_file):
+    from lmloss.sft.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_file)
+    examples = [data.Example(line=1, prompt="add: 1 + 2\n", text=" 3"), data.Example(line=2, text="hello")]
+    (qa, plain), _ = data.tokenize(examples, tok.encode, tok.eos_id, max_tokens=64, truncate=False)
+    n_prompt = len(tok.encode("add: 1 + 2\n"))
+    assert qa.targets == [False] * n_prompt + [True] * (len(qa.ids) - n_prompt)
+    assert qa.ids[-1] == tok.eos_id and plain.ids[-1] == tok.eos_id and all(plain.targets)
+
+
+def test_batch_order_is_deterministic_and_within_budget():
+    lengths = [5, 9, 3, 7, 8, 2, 6] * 5
+    a, b = data.BatchOrder(lengths, 20, seed=3), data.BatchOrder(lengths, 20, seed=3)
+    assert [a.micro_batch(i) for i in range(30)] == [b.micro_batch(i) for i in range(30)]
+    for e in range(2):
+        batches = a.epoch(e)
+        assert sorted(i for mb in batches for i in mb) == list(range(len(lengths)))  # nothing dropped
+        assert all(sum(lengths[i] for i in mb) <= 20 for mb in batches)
+
+
+# -- packed attention ---------------------------------------------------------------------------------
+
+
+def test_packed_causal_mask_follows_the_zigzag_layout():
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)  # sequences of 8 and 4 positions, cp = 2
+    seq = [0] * 8 + [1] * 4
+    # zigzag by hand: each sequence in 4 chunks; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    held = {0: [0, 1, 6, 7, 8, 11], 1: [2, 3, 4, 5, 9, 10]}
+    for rank, positions in held.items():
+        expected = torch.tensor([[seq[q] == seq[k] and k <= q for k in range(12)] for q in positions])
+        assert torch.equal(packed_causal_mask(cu, 2, rank), expected)
+
+
+def test_packed_attention_matches_each_sequence_run_alone(tokenizer_file):
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(None, vocab_rows=512, seed=0).eval()
+    reference = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").eval()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in (5, 9, 4)]
+    cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    with torch.no_grad():
+        packed = model.model(input_ids=torch.cat(seqs)[None], position_ids=positions[None],
+                             packed=PackedAttention.build(cu, None)).last_hidden_state[0]  # fmt: skip
+        alone = torch.cat([reference.model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+
+def test_embedded_demo_learns_and_writes_its_outputs(tmp_path, tokenizer_file, capsys):
+    # the demo's data and model, fewer steps: the response-token loss starts near ln(512) = 6.2
+    out = tmp_path / "demo"
+    code = cli.standalone(["--out", str(out), "--tokenizer", tokenizer_file, "--steps", "30", "--no-progress",
+                           "--head-memory-vocab", "8192", "--log-every", "10", "--no-track-memory"])  # fmt: skip
+    assert code == 0
+    losses = _losses(out)
+    assert len(losses) == 30 and losses[0] > 5.5
+    assert sum(losses[-5:]) / 5 < 3.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["head_memory"]["naive_mib"] > summary["head_memory"]["fused_mib"] > 0
+    assert (out / "loss.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "step   30 | loss" in printed and "fused" in printed and "naive" in printed
+
+
+def test_resume_continues_exactly_like_the_uninterrupted_run(tmp_path, tokenizer_file):
+    out = tmp_path / "run"
+    run(_config(out, tokenizer_file, steps=4, save_every=2))
+    uninterrupted = _losses(out)
+    assert (out / "checkpoints" / "step_2" / "tp0.pt").is_file()
+    run(_config(out, tokenizer_file, steps=4, resume=str(out / "checkpoints" / "step_2")))
+    resumed = _losses(out)
+    assert resumed[:2] == uninterrupted[:2]  # kept from the first run
+    assert resumed[2:] == uninterrupted[2:]  # steps 3 and 4 recomputed after the resume: bit for bit
+
+
+def test_naive_head_trains_like_the_fused_head(tmp_path, tokenizer_file):
+    fused = run(_config(tmp_path / "fused", tokenizer_file, steps=3, vocab_size=1024))["losses"]
+    naive = run(_config(tmp_path / "naive", tokenizer_file, steps=3, vocab_size=1024, loss_impl="naive"))[
+        "losses"
+    ]
+    torch.testing.assert_close(torch.tensor(naive), torch.tensor(fused), rtol=1e-5, atol=0)
+
+
+def test_config_yaml_with_command_line_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\ncp: 2\ntokens-per-batch: 128\nmemory_profile: {profile_steps: [0, 3]}\n")
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    cfg = cli.config_from_args(parser.parse_args(["--config", str(path), "--steps", "9"]))
+    assert (cfg.steps, cfg.cp, cfg.tokens_per_batch) == (9, 2, 128)
+    assert cfg.memory_profile == {"profile_steps": [0, 3]}
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def _cli_error(capsys, *argv: str) -> str:
+    assert cli.standalone([*argv, "--no-progress"]) == 2
+    return capsys.readouterr().err
+
+
+def test_missing_dataset_file_is_reported(tmp_path, capsys):
+    err = _cli_error(capsys, "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path))
+    assert "nope.jsonl does not exist" in err
+
+
+def test_empty_dataset_is_reported(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    err = _cli_error(capsys, "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path))
+    assert "holds no examples" in err
+
+
+def test_malformed_lines_are_reported_with_line_numbers_and_nothing_is_loaded(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "broken"\n\n{"prompt": "p"}\n[1, 2]\n{"text": "fine too"}\n')
+    with pytest.raises(data.DataError) as info:
+        data.load_jsonl(path)
+    msg = str(info.value)
+    assert "3 malformed line(s)" in msg and "nothing was loaded" in msg
+    assert "line 2: not valid JSON" in msg
+    assert 'line 4: a prompt/response record needs string fields "prompt" and "response"' in msg
+    assert "line 5: expected a JSON object, got list" in msg
+
+
+def test_example_longer_than_a_micro_batch_is_rejected_or_truncated(tmp_path, tokenizer_file, capsys):
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"text": "short"}\n' + json.dumps({"text": " monday" * 40}) + "\n")
+    err = _cli_error(capsys, "--data", str(path), "--tokenizer", tokenizer_file, "--tokens-per-batch", "16",
+                     "--out", str(tmp_path / "a"))  # fmt: skip
+    assert (
+        "1 example(s) are longer than tokens_per_batch=16: line 2 (41 tokens)" in err and "--truncate" in err
+    )
+    run(_config(tmp_path / "b", tokenizer_file, data=str(path), tokens_per_batch=16, truncate=True, steps=1))
+    assert "1 example(s) were truncated to 16 tokens" in capsys.readouterr().out
+
+
+def test_layout_that_does_not_match_the_process_count_is_rejected(tmp_path, capsys, monkeypatch):
+    err = _cli_error(capsys, "--nproc", "3", "--cp", "2", "--out", str(tmp_path))
+    assert "--nproc 3 processes cannot be laid out as dp*cp*tp = 1*2*1 = 2" in err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    err = _cli_error(capsys, "--tp", "2", "--out", str(tmp_path))
+    assert "dp*cp*tp = 1*1*2 = 2 does not match the world size 3 of this torchrun launch" in err
