@@ -21,14 +21,7 @@ from lmloss.fused import auto_chunk_size
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Chunked ops are many small kernels: on a shared 2-core machine one intra-op thread is several times
-    faster than two (no OpenMP barrier spinning). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -31,14 +31,7 @@ MiB = 1024**2
 PER_TOKEN_SLACK = 64  # bytes per token for O(N) vectors (lse, outputs, masks, coefficients)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Chunked ops are many small kernels: on a shared 2-core machine one intra-op thread is several times
-    faster than two (no OpenMP barrier spinning). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(n, h, v, *, dtype=torch.float32, bias=False, seed=0):
