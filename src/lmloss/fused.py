@@ -26,6 +26,7 @@ import torch
 
 from lmloss import _validate
 from lmloss.logits import (
+    ChunkScratch,
     SoftmaxSpec,
     build_spec,
     chunk_bounds,
@@ -92,14 +93,32 @@ def _scaled_rows(hidden: torch.Tensor, s: int, e: int, inv_t: float) -> torch.Te
     return rows if inv_t == 1.0 else rows * inv_t
 
 
-def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``[c, V_local]`` logits of one chunk; a fresh tensor the caller may overwrite."""
-    z = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
-    return z if z.dtype == torch.float32 else z.float()
+def _scaled_bias(bias: torch.Tensor | None, inv_t: float) -> torch.Tensor | None:
+    return bias if bias is None or inv_t == 1.0 else bias * inv_t
+
+
+def _chunk_logits(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scratch: ChunkScratch
+) -> torch.Tensor:
+    """fp32 ``[c, V_local]`` logits of one chunk, in the reused buffer ``scratch["logits"]``."""
+    c, v_local = rows.shape[0], weight.shape[0]
+    z = scratch.get("logits", c, v_local)
+    mm_out = z if weight.dtype == torch.float32 else scratch.get("logits_lowp", c, v_local, weight.dtype)
+    if bias is None:
+        torch.mm(rows, weight.t(), out=mm_out)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=mm_out)
+    return z if mm_out is z else z.copy_(mm_out)
 
 
 def _accumulate(
-    grad_z: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, inv_t: float, g: _Grads, s: int
+    grad_z: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    inv_t: float,
+    g: _Grads,
+    s: int,
+    scratch: ChunkScratch,
 ):
     """Chain one chunk's fp32 ``d/d logits`` through ``logits = (rows_raw @ W.T + b) / T``.
 
@@ -110,7 +129,8 @@ def _accumulate(
         if weight.dtype == torch.float32:
             torch.mm(grad_z, weight, out=g.hidden[s:e])
         else:  # the GEMM accumulates in fp32 internally; each hidden row comes from one GEMM
-            g.hidden[s:e] = torch.mm(grad_z.to(weight.dtype), weight)
+            grad_lowp = scratch.get("logits_lowp", *grad_z.shape, weight.dtype).copy_(grad_z)
+            g.hidden[s:e] = torch.mm(grad_lowp, weight)
         if inv_t != 1.0:
             g.hidden[s:e].mul_(inv_t)
     if g.weight is not None:
@@ -126,41 +146,37 @@ def _forward(hidden, weight, bias, labels, plan: _FusedPlan, grads: _Grads | Non
     fp32 = dict(dtype=torch.float32, device=hidden.device)
     results = {k: torch.empty(n, **fp32) for k in spec.outputs}
     lse = torch.empty(n, **fp32)
-    bias_scaled = None if bias is None or plan.inv_temperature == 1.0 else bias * plan.inv_temperature
-    bias_scaled = bias if bias_scaled is None else bias_scaled
+    bias = _scaled_bias(bias, plan.inv_temperature)
+    scratch = ChunkScratch(min(n, plan.chunk_size or n), weight.shape[0], hidden.device)
     for s, e in chunk_bounds(n, plan.chunk_size):
         rows = _scaled_rows(hidden, s, e, plan.inv_temperature)
-        z = _chunk_logits(rows, weight, bias_scaled)
+        z = _chunk_logits(rows, weight, bias, scratch)
         chunk_labels = None if labels is None else labels[s:e]
-        out = softmax_chunk_forward(z, chunk_labels, spec, overwrite=True)  # z now holds exps
+        out = softmax_chunk_forward(z, chunk_labels, spec, overwrite=True, scratch=scratch)  # z: exps now
         lse[s:e] = out.lse
         for k in spec.outputs:
             results[k][s:e] = getattr(out, k)
         if grads is not None:  # d sum(loss) / d logits, while the exps are at hand
             coef = grad_coefficients(spec, chunk_labels, out.lse, None, None, torch.ones_like(out.lse))
             softmax_grad_from_exps_(z, chunk_labels, out, coef, spec)
-            _accumulate(z, rows, weight, plan.inv_temperature, grads, s)
-        del z  # before the next chunk's logits are made, not after
+            _accumulate(z, rows, weight, plan.inv_temperature, grads, s, scratch)
     return results, lse
 
 
 def _backward(hidden, weight, bias, labels, lse, entropy, coef, plan: _FusedPlan, grads: _Grads) -> None:
     """Recompute each chunk's logits and accumulate the gradients of the per-token outputs."""
     n = hidden.shape[0]
-    rows_max = min(n, plan.chunk_size or n)
-    p_scratch = None
-    if coef.d is not None:
-        p_scratch = torch.empty((rows_max, plan.spec.shard.valid), dtype=torch.float32, device=hidden.device)
-    bias_scaled = bias if bias is None or plan.inv_temperature == 1.0 else bias * plan.inv_temperature
+    bias = _scaled_bias(bias, plan.inv_temperature)
+    scratch = ChunkScratch(min(n, plan.chunk_size or n), weight.shape[0], hidden.device)
     for s, e in chunk_bounds(n, plan.chunk_size):
         rows = _scaled_rows(hidden, s, e, plan.inv_temperature)
-        z = _chunk_logits(rows, weight, bias_scaled)
+        z = _chunk_logits(rows, weight, bias, scratch)
+        p_scratch = None if coef.d is None else scratch.get("p", e - s, plan.spec.shard.valid)
         softmax_chunk_backward_(
             z, z, None if labels is None else labels[s:e], lse[s:e],
             None if entropy is None else entropy[s:e], coef.rows(s, e), plan.spec, p_scratch,
         )  # fmt: skip
-        _accumulate(z, rows, weight, plan.inv_temperature, grads, s)
-        del z
+        _accumulate(z, rows, weight, plan.inv_temperature, grads, s, scratch)
 
 
 def _finish_hidden_grad(grad_hidden: torch.Tensor, plan: _FusedPlan) -> torch.Tensor:
