@@ -1,0 +1,185 @@
+"""``lmloss bench``: time and peak memory of forward+backward, lmloss against naive PyTorch and peers.
+
+Flags left unset take each workload's default, which together make the default sweep (about a minute on two
+CPU cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32 and bf16 (naive, chunk 1024,
+chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab fp32 (naive, lmloss fused at
+``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor). Each configuration: one tracked
+run (peak memory, check against naive) and 2 timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from lmloss.bench.impls import DTYPES, IMPLS_BY_WORKLOAD, WORKLOADS, parse_chunk
+
+#: Per-workload defaults for flags the user leaves unset.
+DEFAULTS: dict[str, dict[str, list]] = {
+    "logits": {"tokens": [2048, 4096], "dtype": ["float32", "bfloat16"], "chunk": [1024, None]},
+    "fused": {"tokens": [2048], "dtype": ["float32"], "chunk": ["auto"]},
+}
+DEFAULT_VOCAB = [32000]
+DEFAULT_HIDDEN = [256]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _choice_list(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad) or text!r}: choose from {', '.join(choices)}")
+        return values
+
+    return parse
+
+
+def _chunk_list(text: str) -> list[int | str | None]:
+    try:
+        return [parse_chunk(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--chunk takes integers, 'none' or 'auto': {err}") from err
+
+
+ALL_IMPLS = sorted({name for names in IMPLS_BY_WORKLOAD.values() for name in names})
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="time and peak memory of lmloss vs naive PyTorch and peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--workload",
+        type=_choice_list(WORKLOADS),
+        default=list(WORKLOADS),
+        help="logits ([T, V] -> loss) and/or fused ([T, H] x [V, H] -> loss) (default: both)",
+    )
+    p.add_argument(
+        "--tokens", type=_int_list, help="T, comma-separated (default: 2048,4096 logits; 2048 fused)"
+    )
+    p.add_argument(
+        "--vocab", type=_int_list, default=DEFAULT_VOCAB, help="V, comma-separated (default: 32000)"
+    )
+    p.add_argument(
+        "--hidden", type=_int_list, default=DEFAULT_HIDDEN, help="H for the fused workload (default: 256)"
+    )
+    p.add_argument(
+        "--dtype",
+        type=_choice_list(tuple(DTYPES)),
+        help="float32,bfloat16,float16 (default: float32,bfloat16 logits; float32 fused)",
+    )
+    p.add_argument(
+        "--chunk",
+        type=_chunk_list,
+        help="lmloss chunk sizes: integers, 'none', 'auto' (fused only) "
+        "(default: 1024,none logits; auto fused)",
+    )
+    p.add_argument(
+        "--impl",
+        type=_choice_list(ALL_IMPLS),
+        default=ALL_IMPLS,
+        help=f"which impls to run, of {', '.join(ALL_IMPLS)} (default: all that apply)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (default: 2)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="untimed runs before the timed ones (default: 0; the tracked memory run already goes first)",
+    )
+    p.add_argument(
+        "--max-memory-mib",
+        type=float,
+        default=None,
+        help="treat a configuration whose peak (inputs included) passes this as out of memory; "
+        "on CPU the run stops at the allocation that passes it",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="write results.json, results.csv and PNG plots here"
+    )
+    p.add_argument("--no-plots", action="store_true", help="with --out, skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=main)
+
+
+def config_from_args(args: argparse.Namespace):
+    """Resolve per-workload defaults into a `SweepConfig`."""
+    from lmloss.bench.runner import SweepConfig
+
+    def per_workload(flag: str, value) -> dict[str, list]:
+        return {w: list(value) if value is not None else list(DEFAULTS[w][flag]) for w in WORKLOADS}
+
+    impls = {w: [n for n in args.impl if n in IMPLS_BY_WORKLOAD[w]] for w in WORKLOADS}
+    return SweepConfig(
+        workloads=[w for w in WORKLOADS if w in args.workload and impls[w]],
+        tokens=per_workload("tokens", args.tokens),
+        vocab=list(args.vocab),
+        hidden=list(args.hidden),
+        dtypes=per_workload("dtype", args.dtype),
+        chunks=per_workload("chunk", args.chunk),
+        impls=impls,
+        device=args.device,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_memory_mib=args.max_memory_mib,
+        seed=args.seed,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from lmloss.bench.report import format_table, write_csv, write_json
+    from lmloss.bench.runner import environment, run_sweep
+
+    if args.repeats < 1 or args.warmup < 0:
+        print("lmloss bench: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("lmloss bench: --device cuda given but CUDA is not available", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
+    if not config.workloads:
+        print("lmloss bench: no selected impl belongs to the selected workloads", file=sys.stderr)
+        return 2
+    rows = run_sweep(config, show_progress=not args.no_progress)
+    print(format_table(rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "environment": environment(config.device),
+            "argv": sys.argv[1:],
+            "config": _config_dict(config),
+        }
+        write_json(args.out / "results.json", rows, meta)
+        write_csv(args.out / "results.csv", rows)
+        written = ["results.json", "results.csv"]
+        if not args.no_plots:
+            from lmloss.bench.plots import plot_results
+
+            written += [p.name for p in plot_results(rows, args.out)]
+        print(f"\nwrote {', '.join(written)} to {args.out}")
+    return 0
+
+
+def _config_dict(config) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)

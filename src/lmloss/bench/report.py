@@ -1,0 +1,91 @@
+"""Bench results as data first (JSON, CSV), then as a terminal table."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from lmloss.bench.runner import Result
+
+#: Columns of results.csv, in order (every `Result` field; ``times_ms`` joined with ``;``).
+CSV_COLUMNS = [f.name for f in dataclasses.fields(Result)]
+
+
+def write_json(path: Path, rows: list[Result], meta: dict) -> None:
+    """``{"meta": {...}, "results": [row, ...]}`` with one object per `Result`."""
+    payload = {"meta": meta, "columns": CSV_COLUMNS, "results": [dataclasses.asdict(r) for r in rows]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def write_csv(path: Path, rows: list[Result]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            d = dataclasses.asdict(r)
+            d["times_ms"] = ";".join(f"{t:.3f}" for t in r.times_ms)
+            writer.writerow({k: "" if v is None else v for k, v in d.items()})
+
+
+def load_json(path: Path) -> tuple[dict, list[Result]]:
+    """Read a results.json back into `Result` rows (for re-plotting or comparing runs)."""
+    payload = json.loads(Path(path).read_text())
+    return payload["meta"], [Result(**r) for r in payload["results"]]
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mib(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _spread(r: Result) -> str:
+    """Half the min-max range as a percentage of the median: how far to trust the time column."""
+    if r.time_ms is None or r.time_min_ms is None or r.time_max_ms is None or not r.time_ms:
+        return "-"
+    return f"±{50.0 * (r.time_max_ms - r.time_min_ms) / r.time_ms:.0f}%"
+
+
+TABLE_HEADER = (
+    "workload", "dtype", "tokens", "vocab", "hidden", "impl", "status", "time ms", "spread",
+    "peak MiB", "time/naive", "mem/naive", "time/floor", "check", "note",
+)  # fmt: skip
+
+
+def format_table(rows: list[Result], *, note_width: int = 60) -> str:
+    """A fixed-width table, one line per row; a blank line between cases."""
+    lines: list[list[str]] = []
+    case_of = []
+    for r in rows:
+        note = r.note if len(r.note) <= note_width else r.note[: note_width - 1] + "…"
+        if r.check == "FAIL" and r.loss_err is not None:
+            note = f"loss err {r.loss_err:.1e}, grad err {_num(r.grad_err, '.1e')} > {r.tolerance:.0e}"
+        lines.append([
+            r.workload, r.dtype, str(r.tokens), str(r.vocab), "-" if r.hidden is None else str(r.hidden),
+            r.label, r.status, _num(r.time_ms, ".1f"), _spread(r), _mib(r.peak_mib),
+            _num(r.time_vs_naive, ".2f"), _num(r.mem_vs_naive, ".2f"), _num(r.time_vs_floor, ".2f"),
+            r.check if r.status == "ok" else "-", note,
+        ])  # fmt: skip
+        case_of.append((r.workload, r.dtype, r.tokens, r.vocab, r.hidden))
+    widths = [
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+        for i, h in enumerate(TABLE_HEADER)
+    ]
+    numeric = {2, 3, 4, 7, 8, 9, 10, 11, 12}
+
+    def fmt(cells: list[str] | tuple[str, ...]) -> str:
+        out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    text = [fmt(TABLE_HEADER), fmt(tuple("-" * w for w in widths))]
+    for i, line in enumerate(lines):
+        if i and case_of[i] != case_of[i - 1]:
+            text.append("")
+        text.append(fmt(line))
+    return "\n".join(text)
