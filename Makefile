@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*; touch $@
 
 test: venv
-	$(PY) -m pytest -q tests
+	LMLOSS_FULL_MEMORY_TEST=1 $(PY) -m pytest -q tests
 
 demo: venv
 	$(VENV)/bin/lmloss sft --nproc 2 --cp 2 --head-memory-vocab 151936 --out runs/demo

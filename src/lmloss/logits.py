@@ -134,6 +134,21 @@ def _serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _upcast_scale_shift(x: torch.Tensor, scale: float, shift: torch.Tensor, *, out: torch.Tensor) -> None:
+    """``out = float32(x) * scale - shift[:, None]``, the same rounding in forward and backward.
+
+    Upcast first: scaling in bf16 / fp16 would round ``x * scale`` to that dtype, and a mixed-dtype
+    ``torch.sub(bf16, fp32, out=fp32)`` takes a slow path on CPU (4-5x a copy plus an fp32 subtract).
+    """
+    if x.dtype == torch.float32 and scale == 1.0:
+        torch.sub(x, shift[:, None], out=out)  # one pass when no upcast is needed
+        return
+    out.copy_(x)
+    if scale != 1.0:
+        out.mul_(scale)
+    out.sub_(shift[:, None])
+
+
 def softmax_chunk_forward(
     x: torch.Tensor,
     labels: torch.Tensor | None,
@@ -176,10 +191,7 @@ def _softmax_chunk_forward(x, labels, spec: SoftmaxSpec, overwrite: bool, scratc
         shifted.sub_(row_max[:, None])
     else:
         shifted = scratch.get("shifted", rows, n_valid)
-        if spec.scale == 1.0:  # the upcast and the shift in one pass
-            torch.sub(xv, row_max[:, None], out=shifted)
-        else:  # upcast before scaling
-            shifted.copy_(xv).mul_(spec.scale).sub_(row_max[:, None])
+        _upcast_scale_shift(xv, spec.scale, row_max, out=shifted)
 
     partial = []  # order: sum exp, target logit, [sum p*x], [sum x]
     if spec.logprobs or spec.loss:
@@ -284,10 +296,7 @@ def softmax_chunk_backward_(
     """
     n_valid = spec.shard.valid
     ov, xv = out[:, :n_valid], x[:, :n_valid]
-    if spec.scale == 1.0:
-        torch.sub(xv, lse[:, None], out=ov)
-    else:  # upcast before scaling, exactly as the forward did
-        ov.copy_(xv).mul_(spec.scale).sub_(lse[:, None])
+    _upcast_scale_shift(xv, spec.scale, lse, out=ov)
     # ov = log p
     if coef.d is not None:
         p = torch.exp(ov, out=p_scratch[: ov.shape[0], :n_valid])
