@@ -496,7 +496,8 @@ def token_logprobs(
         vocab_size: the true global vocabulary; columns at global index ``>= vocab_size`` are padding
             and take no part in the softmax. Default: all columns over all ranks.
         tp_group: process group the vocabulary is sharded over; None for one process.
-        vocab_start: global id of this rank's first column; default ``rank * V_local`` (even shards).
+        vocab_start: global id of this rank's first column; default ``rank * V_local`` (even shards). Pass it
+            on every TP rank or on none: with it, one all-gather per call checks that the shards tile.
         return_entropy: also return the entropy of ``softmax(logits / temperature)`` over the whole
             vocabulary, differentiable, at every position (ignore_index does not mask it).
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from lmloss.vocab_parallel import all_reduce_sum_
+
 ProcessGroup = dist.ProcessGroup
 
 
@@ -93,13 +95,6 @@ class Mesh:
         return mesh
 
 
-def all_reduce_(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """In-place SUM over `group`; nothing for a single rank."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
 def all_reduce_grads_(params: Iterable[torch.nn.Parameter], group: ProcessGroup | None) -> None:
     """SUM the gradients over `group` in one flat buffer (one collective).
 
@@ -133,7 +128,7 @@ def grad_norm(
             (g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device)
         )
 
-    return float((squares(rep) + all_reduce_(squares(shard), tp_group)).sqrt())
+    return float((squares(rep) + all_reduce_sum_(squares(shard), tp_group)).sqrt())
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -146,7 +141,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_(grad.contiguous().clone(), ctx.group), None
+        return all_reduce_sum_(grad.contiguous().clone(), ctx.group), None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -39,8 +39,9 @@ from lmloss.sft import checkpoint, data, report
 from lmloss.sft.attention import PackedAttention
 from lmloss.sft.config import SFTConfig
 from lmloss.sft.model import build_model, head_weight, padded_vocab, shard_head
-from lmloss.sft.parallel import Mesh, all_reduce_, all_reduce_grads_, copy_to_tp, grad_norm
+from lmloss.sft.parallel import Mesh, all_reduce_grads_, copy_to_tp, grad_norm
 from lmloss.sft.tokenizer import TextTokenizer, load_tokenizer, prepare_tokenizer
+from lmloss.vocab_parallel import all_reduce_sum_
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_mask", "token_mask")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -207,7 +208,7 @@ class Trainer:
         batches = self.micro_batches(step)
         # the global batch's target count: every micro-batch's summed loss is divided by it
         n_valid = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double()
-        n_valid = all_reduce_(n_valid, mesh.dp_cp_group).clamp(min=1.0)
+        n_valid = all_reduce_sum_(n_valid, mesh.dp_cp_group).clamp(min=1.0)
         for b in batches:
             packed = PackedAttention.build(b["cu_seqlens"], mesh.cp_group, device=self.device)
             hidden = self.model.model(input_ids=b["input_ids"][None], position_ids=b["position_ids"][None],
