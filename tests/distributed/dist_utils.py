@@ -42,4 +42,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(fn, world_size, _free_port(), out_dir, args), nprocs=world_size, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
+        ]
