@@ -184,6 +184,11 @@ def worker(rank: int, world_size: int) -> dict:
     w = torch.arange(logits_a.numel(), dtype=torch.float32).view_as(logits_a)
     (cp.gather(x, a.cu_seqlens, world) * w).sum().backward()
     out["gather_grad"] = x.grad
+    # with sum_grads each rank uses the gathered tensor with its own weights (as attention's queries read
+    # every rank's keys): a position's gradient is the sum of every rank's
+    x = cp.split(logits_a, a.cu_seqlens, 4, rank).clone().requires_grad_()
+    (cp.gather(x, a.cu_seqlens, world, sum_grads=True) * (w * (rank + 1))).sum().backward()
+    out["gather_sum_grad"] = x.grad
     out["gather_dim1"] = cp.gather(
         cp.split(logits_a.T.contiguous(), a.cu_seqlens, 4, rank, dim=1, layout="contiguous"),
         a.cu_seqlens,
@@ -318,6 +323,16 @@ def test_dp2_cp2_metrics_span_both_replicas_and_count_each_sequence_once(results
         # averaging over the DP group only (ranks with the same CP rank) gives the same perplexity
         assert m["ppl_over_dp"] == pytest.approx(m["ppl"], rel=1e-12)
         assert m["rank_min"] == 0.0
+
+
+def test_gather_with_sum_grads_gives_each_rank_the_sum_over_ranks_of_its_positions(results):
+    batch, logits = make_batch("A")
+    w = torch.arange(logits.numel(), dtype=torch.float32).view_as(logits)
+    every_rank = sum(w * (r + 1) for r in range(4))  # rank r weighted the gathered tensor by w * (r + 1)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(
+            r["gather_sum_grad"], every_rank[cp.partition_index(batch.cu_seqlens, 4, rank)]
+        )
 
 
 def test_gather_backward_returns_each_ranks_own_gradient_slice_unscaled(results):
