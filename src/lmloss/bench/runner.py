@@ -111,9 +111,8 @@ class _CappedTracker(LiveTensorTracker):
         self.cap_bytes = cap_bytes
         self.exceeded = False
 
-    def _track(self, t: torch.Tensor, op: str) -> None:
-        super()._track(t, op)
-        if self.cap_bytes is not None and self.live > self.cap_bytes and not self.exceeded:
+    def on_live_change(self, delta: int, op: str | None) -> None:
+        if delta > 0 and self.cap_bytes is not None and self.live > self.cap_bytes and not self.exceeded:
             self.exceeded = True
             raise SimulatedOOM(f"{self.live / MiB:.0f} MiB above the inputs passes the cap at {op}")
 

@@ -86,11 +86,18 @@ class LiveTensorTracker(TorchDispatchMode):
         self._lock = threading.Lock()
         self.peak_allocations: list[Allocation] = []
 
+    def on_live_change(self, delta: int, op: str | None) -> None:
+        """Called after every change of `live` by `delta` bytes: by an allocation made by `op`, or by a
+        free (``op is None``, from a weak-reference callback, so it must not raise). Override to watch."""
+
     def _freed(self, key: int) -> None:
         with self._lock:
-            self.live -= self._sizes.pop(key, 0)
+            delta = -self._sizes.pop(key, 0)
+            self.live += delta
             self._info.pop(key, None)
             self._refs.pop(key, None)
+        if delta:
+            self.on_live_change(delta, None)
 
     def _track(self, t: torch.Tensor, op: str) -> None:
         if t.device.type == "meta" or t.is_sparse:
@@ -109,11 +116,13 @@ class LiveTensorTracker(TorchDispatchMode):
             elif old == nbytes:
                 return
             self._sizes[key] = nbytes
-            self.live += nbytes - (old or 0)
+            delta = nbytes - (old or 0)
+            self.live += delta
             if self.live > self.peak:
                 self.peak = self.live
                 if self.record:
                     self.peak_allocations = sorted(self._info.values(), key=lambda a: -a.nbytes)
+        self.on_live_change(delta, op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -136,21 +136,10 @@ class _TimelineTracker(LiveTensorTracker):
         self.events = 0
         self.timeline: collections.deque[tuple[int, int]] = collections.deque(maxlen=max_entries)
 
-    def _mark(self) -> None:
-        self.events += 1
-        self.timeline.append((self.events, self.live))
-
-    def _track(self, t: torch.Tensor, op: str) -> None:
-        before = self.live
-        super()._track(t, op)
-        if self.live != before:
-            self._mark()
-
-    def _freed(self, key: int) -> None:
-        before = self.live
-        super()._freed(key)
-        if self.live != before:
-            self._mark()
+    def on_live_change(self, delta: int, op: str | None) -> None:
+        if delta:
+            self.events += 1
+            self.timeline.append((self.events, self.live))
 
 
 class MemoryProfiler:
