@@ -12,10 +12,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 HARNESS = textwrap.dedent(
     """
-    import os, socket, torch, torch.distributed as dist
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import os, torch, torch.distributed as dist
+    from lmloss.distributed import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     B, S, V, H = 2, 8, 100, 16
     tp = dist.new_group([0]); dp_cp_group = dist.new_group([0])

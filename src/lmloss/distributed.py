@@ -11,6 +11,7 @@ sequences, so every stage, the middle ones included, needs the sequence boundari
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -155,3 +156,10 @@ def broadcast_batch(
                 t = given.copy_(t)
             received[k] = t
     return {m[0]: received[m[0]] if m[1] == "tensor" else m[2] for m in meta}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now, for a local process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

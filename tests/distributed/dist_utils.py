@@ -7,7 +7,6 @@ one spawned run: create sub-groups with `dist.new_group` inside the function (ev
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -16,11 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lmloss.distributed import free_port
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -41,7 +36,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     `fn` must be a module-level function; its result is passed back with `torch.save`.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(fn, world_size, _free_port(), out_dir, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True)
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
         ]

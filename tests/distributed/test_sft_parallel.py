@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from lmloss.distributed import free_port  # noqa: E402
 from lmloss.sft.config import SFTConfig  # noqa: E402
 from lmloss.sft.parallel import Mesh  # noqa: E402
 from lmloss.sft.trainer import Trainer, prepare_data  # noqa: E402
@@ -85,12 +85,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, tokenizer: str) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs():
     """The single-process reference and every rank's results of the 4-process launch."""
@@ -102,7 +96,7 @@ def runs():
         try:
             reference = _train(Trainer(cfg, Mesh(), torch.device("cpu"), prepared))
             # fork: the children inherit the imported torch/transformers instead of importing them again
-            mp.start_processes(_worker, args=(4, _free_port(), out_dir, os.path.join(out_dir, "tokenizer.json")),
+            mp.start_processes(_worker, args=(4, free_port(), out_dir, os.path.join(out_dir, "tokenizer.json")),
                                nprocs=4, start_method="fork")  # fmt: skip
         finally:
             torch.set_num_threads(threads)

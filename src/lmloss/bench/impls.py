@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import socket
 import warnings
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
+from lmloss.distributed import free_port
 
 WORKLOADS = ("logits", "fused")
 
@@ -193,9 +193,7 @@ def _megatron_step(device: str) -> tuple[Step | None, str | None]:
         return None, _MEGATRON_STATE["reason"]  # type: ignore[return-value]
     try:
         if not torch.distributed.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             backend = "nccl" if device.startswith("cuda") else "gloo"
             torch.distributed.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lmloss.distributed import free_port
 from lmloss.vocab_parallel import all_reduce_sum_
 
 ProcessGroup = dist.ProcessGroup
@@ -150,12 +150,6 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- launching
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device) -> str:
