@@ -73,7 +73,7 @@ def format_table(rows: list[Result], *, note_width: int = 60) -> str:
         lines.append([
             r.workload, r.dtype, str(r.tokens), str(r.vocab), "-" if r.hidden is None else str(r.hidden),
             r.label, r.kernel, r.status, _num(r.time_ms, ".1f"), _spread(r), _mib(r.peak_mib),
-            _num(r.bandwidth_gbs, ".0f"), _num(r.time_vs_naive, ".2f"), _num(r.mem_vs_naive, ".2f"),
+            _num(r.bandwidth_gbs, ".3g"), _num(r.time_vs_naive, ".2f"), _num(r.mem_vs_naive, ".2f"),
             _num(r.time_vs_floor, ".2f"), _num(r.wgrad_err, ".1e"), r.check if r.status == "ok" else "-", note,
         ])  # fmt: skip
         case_of.append((r.workload, r.dtype, r.tokens, r.vocab, r.hidden))

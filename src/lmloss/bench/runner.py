@@ -300,9 +300,7 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
                     row.wgrad_err = wgrad_ref.error(outcome.grads["weight"])
                     if impl.is_reference:
                         rounded = relative_norm_error(wgrad_ref.grad64.to(case.torch_dtype), wgrad_ref.grad64)
-                        row.note = (
-                            f"wgrad err of the float64 gradient rounded once to {case.dtype}: {rounded:.1e}"
-                        )
+                        row.note = f"dW64 rounded once to {case.dtype}: wgrad err {rounded:.2e}"
                 del outcome
                 _free(case.device)
                 row.times_ms = _timed_runs(impl, inputs, case, config.repeats, config.warmup)
