@@ -83,7 +83,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
 def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
     """The kernels object for one pass over the chunks (it may hold chunk-sized scratch buffers)."""
     if impl == "triton":
-        from lmloss.kernels.triton_backend import TritonKernels
+        from lmloss.kernels.triton_kernels import TritonKernels
 
         return TritonKernels()
     from lmloss.kernels.torch_ref import TorchKernels

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lmloss.kernels import ChunkMath
 
-__all__ = ["softmax_partials", "softmax_grad_", "block_config", "FORWARD_BLOCKS", "BACKWARD_BLOCKS"]
+__all__ = ["softmax_partials", "softmax_grad_", "block_config", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "TritonKernels"]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
 # Forward: one program walks a whole row, so large blocks amortise the two block reductions per step
@@ -289,3 +289,25 @@ def softmax_grad_(
             BLOCK_V=block, num_warps=warps,
         )  # fmt: skip
     return out
+
+
+class TritonKernels:
+    """The two kernels behind the interface the chunk loop calls (`lmloss.plan`); holds no scratch.
+
+    `overwrite` and `uniform_term` are hints the PyTorch reference uses to save passes; the kernels
+    need neither (they keep no chunk-sized temporaries and test each row's coefficients themselves).
+    """
+
+    name = "triton"
+
+    def softmax_partials(self, x, labels, math, *, entropy, target, sum_logits, overwrite=False):
+        return softmax_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits)
+
+    def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True):
+        return softmax_grad_(x, labels, lse, entropy, coef, math, out)
+
+    def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True):
+        """Partials, then ``finish(partials) -> (result, coef, lse)`` (TP combine, output math), then the
+        gradient into `out` (which may be `x`). Returns ``(result, out)``."""
+        result, coef, lse = finish(softmax_partials(x, labels, math, **flags))
+        return result, softmax_grad_(x, labels, lse, None, coef, math, out)
