@@ -43,8 +43,11 @@ def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
     the serial order keeps fp32 results bit-identical for every chunk size (a tail chunk of one row
     included).
     """
+    if torch.compiler.is_compiling() or device.type != "cpu":
+        yield  # a compiled graph has its own reduction order
+        return
     threads = torch.get_num_threads()
-    if device.type != "cpu" or rows >= threads or threads == 1 or torch.compiler.is_compiling():
+    if rows >= threads or threads == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -58,13 +61,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _transform_into(out: torch.Tensor, x: torch.Tensor, math: ChunkMath) -> torch.Tensor:
+def _transform_into(out: torch.Tensor, x: torch.Tensor, math: ChunkMath, *, aliased: bool = False) -> torch.Tensor:
     """``out = scale * softcap(x)`` in out's dtype (fp32 / fp64), the same rounding in every pass.
 
     Upcast first: scaling in bf16 / fp16 would round ``x * scale`` to that dtype, and a mixed-dtype
-    ``torch.mul(bf16, float, out=fp32)`` takes a slow path on CPU.
+    ``torch.mul(bf16, float, out=fp32)`` takes a slow path on CPU. `aliased`: `out` is `x`'s memory.
     """
-    if out.data_ptr() != x.data_ptr() or out.dtype != x.dtype:
+    if not aliased:
         out.copy_(x)
     if math.softcap:
         out.div_(math.softcap).tanh_().mul_(math.softcap * math.scale)
@@ -102,7 +105,7 @@ class TorchKernels:
             return out
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
-            y = _transform_into(xv, xv, math)
+            y = _transform_into(xv, xv, math, aliased=True)
         elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
             y = xv  # read-only: shifted into scratch below in one pass
         else:
@@ -139,7 +142,7 @@ class TorchKernels:
         slope = self._softcap_slope(x, math)  # before `out` (which may be `x`) is overwritten
         in_out = out.dtype == acc
         work = out[:, :n_valid] if in_out else self.scratch.get("grad", rows, n_valid, acc)
-        _transform_into(work, x[:, :n_valid], math)
+        _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
         work.sub_(lse[:, None])  # log p
         a, d = coef[:, 0:1], coef[:, 3:4]
         if entropy is not None:
