@@ -31,6 +31,7 @@ from lmloss.vocab_parallel import (
     combine_partials,
     rank_checks_enabled,
     resolve_shard,
+    world_size,
 )
 
 OUTPUTS = ("logprobs", "entropy", "loss")
@@ -239,6 +240,12 @@ def forward_pass(
     kernels = plan.kernels(n, device)
     uniform = plan.label_smoothing > 0
     overwrite = getattr(source, "owns_chunks", False)
+    one_kernel = (
+        grad_sink is not None
+        and plan.outputs == ("loss",)
+        and world_size(plan.tp_group) == 1
+        and hasattr(kernels, "loss_and_grad_")
+    )
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
@@ -257,9 +264,17 @@ def forward_pass(
                 )
 
             out = grad_sink.buffer(s, e, x)
-            stats, grad = kernels.partials_then_grad_(
-                x, chunk_labels, plan.math, plan.flags, finish_with_grad, out, uniform_term=uniform
-            )
+            if one_kernel:  # statistics, loss and gradient in one read of the chunk (one process only)
+                stats = kernels.loss_and_grad_(
+                    x, chunk_labels, plan.math, ignore_index=plan.ignore_index,
+                    label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=plan.shard.vocab_size,
+                    out=out,
+                )  # fmt: skip
+                grad = out
+            else:
+                stats, grad = kernels.partials_then_grad_(
+                    x, chunk_labels, plan.math, plan.flags, finish_with_grad, out, uniform_term=uniform
+                )
             grad_sink.consume(s, e, grad)
         for k in keys:
             results[k][s:e] = stats[k]
