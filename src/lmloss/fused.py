@@ -69,12 +69,12 @@ def gemm_accumulates_into_fp32(device: torch.device, dtype: torch.dtype) -> bool
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     try:
-        a = torch.zeros((2, 2), dtype=dtype, device=device)
-        acc = torch.zeros((2, 2), dtype=torch.float32, device=device)
+        a = torch.ones((2, 2), dtype=dtype, device=device)
+        acc = torch.ones((2, 2), dtype=torch.float32, device=device)
         torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-    except (TypeError, RuntimeError):
+    except (TypeError, RuntimeError, NotImplementedError):
         return False
-    return True
+    return bool((acc == 3.0).all())  # accumulated into the buffer it read (1 + 1*1 + 1*1)
 
 
 class _HiddenRows:
