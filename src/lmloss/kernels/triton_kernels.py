@@ -9,6 +9,9 @@ Same contract as ``lmloss.kernels.torch_ref``; see ``lmloss.kernels`` for ``Chun
   target logit, sum of logits) that the caller combines across vocabulary shards.
 - ``softmax_grad_``: a 2-D grid (row, vocabulary block), each program reading its block once and writing its
   gradient once, which is what makes ``out is x`` (the in-place mode) safe.
+- ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel. One program per row reads
+  the row for its log-sum-exp and loss, then walks it again (from its last block, the likeliest still in L2)
+  writing ``d loss / d x``: one read from memory and one write where the two-kernel path reads twice.
 
 This module is the only one in lmloss that imports ``triton``; import it only when the Triton implementation
 is selected.
@@ -24,7 +27,15 @@ import triton.language as tl
 
 from lmloss.kernels import ChunkMath
 
-__all__ = ["softmax_partials", "softmax_grad_", "block_config", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "TritonKernels"]
+__all__ = [
+    "softmax_partials",
+    "softmax_grad_",
+    "cross_entropy_loss_and_grad_",
+    "block_config",
+    "FORWARD_BLOCKS",
+    "BACKWARD_BLOCKS",
+    "TritonKernels",
+]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
 # Forward: one program walks a whole row, so large blocks amortise the two block reductions per step
@@ -151,6 +162,82 @@ def _softmax_grad_kernel(
         g += tl.where(cols == tl.load(labels_ptr + row) - vocab_start, b, 0.0)
     g = tl.where(in_vocab, g * dy_dx, 0.0)
     tl.store(out_ptr + row * out_row_stride + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+# Contract: one program per row of x [c, n_cols] (columns [0, valid) are the whole vocabulary, vocab_start 0).
+# A row whose label is ignore_index reads nothing: res[row] = (0, 0) and out[row, :] = 0 exactly. Otherwise
+#   pass 1 (reads x): m, s online as in _softmax_partials_kernel, y_t = y[label] (0 if label not in [0, valid)),
+#     sum_y when SMOOTHING; lse = m + log s;
+#     loss = (1-eps)(lse - y_t) + eps(lse - sum_y / vocab_size) + z lse^2, written as (m - y_t) + log s etc.
+#   pass 2 (reads x, then writes out, block by block from the last):
+#     g_j = ((1 + 2 z lse) p_j - (1-eps)[j == label] - eps / vocab_size) * dy/dx for j < valid, 0 beyond.
+# Every read of pass 1 precedes every write, and pass 2 reads each block before writing it: out may be x.
+@triton.jit
+def _cross_entropy_loss_grad_kernel(
+    x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, res_ptr,
+    n_cols, n_blocks, valid, ignore_index, scale, softcap, eps, z_loss, inv_vocab,
+    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    label = tl.load(labels_ptr + row)
+    live = label != ignore_index
+    n_read = tl.where(live, valid, 0)  # an ignored row is neither read nor given a gradient
+
+    m = -float("inf")
+    s = 0.0
+    sum_y = 0.0
+    for start in range(0, n_read, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < n_read
+        y = tl.load(x_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            y = softcap * _softcap_tanh(y, softcap)
+        y = tl.where(in_vocab, y * scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(y, 0))
+        ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # as in _softmax_partials_kernel: no -inf - -inf
+        s = tl.exp(m - ref) * s + tl.sum(tl.exp(y - ref), 0)
+        if SMOOTHING:
+            sum_y += tl.sum(tl.where(in_vocab, y, 0.0), 0)
+        m = m_new
+    owned = live & (label >= 0) & (label < valid)
+    y_t = tl.load(x_row + label, mask=owned, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        y_t = softcap * _softcap_tanh(y_t, softcap)
+    y_t = tl.where(owned, y_t * scale, 0.0)
+    # An ignored row read nothing (m = -inf, s = 0): give it lse 0 so that no inf reaches the arithmetic below.
+    m = tl.where(live, m, 0.0)
+    log_s = tl.log(tl.where(live, s, 1.0))
+    lse = m + log_s
+    loss = (m - y_t) + log_s  # -log p_label, with the large m cancelled first
+    if SMOOTHING:
+        loss = (1.0 - eps) * loss + eps * ((m - sum_y * inv_vocab) + log_s)
+    if Z_LOSS:
+        loss += z_loss * lse * lse
+        p_coef = 1.0 + 2.0 * z_loss * lse
+    else:
+        p_coef = 1.0
+    tl.store(res_ptr + row * 2 + 0, tl.where(live, lse, 0.0))
+    tl.store(res_ptr + row * 2 + 1, tl.where(live, loss, 0.0))
+
+    label_coef = 1.0 - eps if SMOOTHING else 1.0
+    for i in range(0, n_blocks):
+        cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_vocab = cols < n_read
+        x = tl.load(x_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            th = _softcap_tanh(x, softcap)
+            y = softcap * th * scale
+            dy_dx = scale * (1.0 - th * th)
+        else:
+            y = x * scale
+            dy_dx = scale
+        g = p_coef * tl.exp(y - lse) - tl.where(cols == label, label_coef, 0.0)
+        if SMOOTHING:
+            g -= eps * inv_vocab
+        g = tl.where(in_vocab, g * dy_dx, 0.0)
+        tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
@@ -291,6 +378,72 @@ def softmax_grad_(
     return out
 
 
+def cross_entropy_loss_and_grad_(
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    math: ChunkMath,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+    out: torch.Tensor,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum written into `out`.
+
+    One process holds the whole vocabulary (``math.vocab_start == 0``, ``math.valid == vocab_size``); with
+    ``y = scale * softcap(x)`` over the valid columns and ``lse = logsumexp(y)``, a row's loss is
+    ``(1 - eps) * (lse - y[label]) + eps * (lse - mean(y)) + z_loss * lse**2`` (``F.cross_entropy`` with
+    ``label_smoothing=eps``, plus the z-loss) and its gradient ``((1 + 2 z_loss lse) softmax(y) - (1 - eps)
+    onehot(label) - eps / vocab_size) * dy/dx``. Rows whose label is `ignore_index` are not read: their loss and
+    lse are 0 and their gradient is exactly 0, whatever x holds; padded columns get exactly 0.
+
+    Args:
+        x: ``[c, V_local]`` fp32 / bf16 / fp16 logits, ``x.stride(1) == 1``, ``V_local >= vocab_size``.
+        labels: ``[c]`` integer class ids in ``[0, vocab_size)`` or `ignore_index` (not checked here).
+        math: ``vocab_start`` 0, ``valid == vocab_size``, scale (1 / temperature) and softcap.
+        ignore_index, label_smoothing, z_loss: as in ``lmloss.cross_entropy``.
+        vocab_size: the number of classes (the smoothing's uniform target spreads over these).
+        out: ``[c, V_local]`` float, ``out.stride(1) == 1``; may be ``x`` itself (the in-place mode: a row's
+            program reads all of it before writing any, then reads each block before overwriting it).
+        block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
+
+    Returns:
+        fp32 ``[c, 2]``: (lse, loss) per row, both 0 for ignored rows.
+    """
+    _check_rows("x", x, _FLOATS)
+    _check_rows("out", out, _FLOATS)
+    rows, n_cols = x.shape
+    if out.shape != x.shape:
+        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    if not 1 <= vocab_size <= n_cols:
+        raise ValueError(f"vocab_size must be in [1, {n_cols}], got {vocab_size}")
+    if math.vocab_start != 0 or math.valid != vocab_size:
+        raise ValueError(
+            "math must cover the whole vocabulary (vocab_start 0, valid == vocab_size) in the one-kernel loss, "
+            f"got vocab_start {math.vocab_start}, valid {math.valid}, vocab_size {vocab_size}"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    labels = _row_vector("labels", labels, rows, _INTS)
+    res = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return res
+    block, warps = _block(n_cols, FORWARD_BLOCKS, block_v)
+    with _device_guard(x):
+        _cross_entropy_loss_grad_kernel[(rows,)](
+            x, x.stride(0), out, out.stride(0), labels, res, n_cols, triton.cdiv(n_cols, block), vocab_size,
+            int(ignore_index), float(math.scale), float(math.softcap or 1.0), float(label_smoothing),
+            float(z_loss), 1.0 / vocab_size,
+            SOFTCAP=bool(math.softcap), SMOOTHING=label_smoothing > 0, Z_LOSS=z_loss > 0,
+            BLOCK_V=block, num_warps=warps,
+        )  # fmt: skip
+    return res
+
+
 class TritonKernels:
     """The two kernels behind the interface the chunk loop calls (`lmloss.plan`); holds no scratch.
 
@@ -311,3 +464,14 @@ class TritonKernels:
         gradient into `out` (which may be `x`). Returns ``(result, out)``."""
         result, coef, lse = finish(softmax_partials(x, labels, math, **flags))
         return result, softmax_grad_(x, labels, lse, None, coef, math, out)
+
+    def loss_and_grad_(
+        self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out
+    ) -> dict[str, torch.Tensor]:
+        """The single-process scalar-loss chunk in one kernel (`cross_entropy_loss_and_grad_`): returns
+        ``{"lse": [c], "loss": [c]}`` fp32 (0 for ignored rows) and writes d(sum of losses)/dx into `out`."""
+        res = cross_entropy_loss_and_grad_(
+            x, labels, math, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            vocab_size=vocab_size, out=out,
+        )  # fmt: skip
+        return {"lse": res[:, 0], "loss": res[:, 1]}
