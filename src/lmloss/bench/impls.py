@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 
@@ -61,6 +62,13 @@ def _kernel_kwargs(op: str, kernel: str) -> tuple[dict, str | None]:
     if _missing(op, "impl") is None:
         return {"impl": kernel}, None
     return {}, (None if kernel == "torch" else f"{_missing(op, 'impl')}: no Triton kernels to run")
+
+
+def _triton_device_reason(kernel: str, device: str) -> str | None:
+    """Triton kernels run on CUDA tensors, or on CPU ones only under Triton's interpreter."""
+    if kernel != "triton" or device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "lmloss's Triton kernels run on CUDA (on CPU only under TRITON_INTERPRET=1, set before start)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,7 +589,7 @@ def build_impls(
                     extra_kwargs: dict | None = None, **impl_kw) -> None:  # fmt: skip
         for kernel in kernels:
             kw, reason = _kernel_kwargs(op, kernel)
-            reason = reason or _missing(op, *extra)
+            reason = reason or _missing(op, *extra) or _triton_device_reason(kernel, device)
             kw.update(extra_kwargs or {})
             for c in chunks:
                 if workload == "logits" and c == "auto":
