@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 	  $(PYTHON) -m venv $(VENV) && \
-	  $(PY) -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \
+	  $(PY) -m pip install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \
 	fi
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_CONSTRAINT)
 	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e ".[dev,sft]"

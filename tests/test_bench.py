@@ -16,7 +16,6 @@ from lmloss.bench.impls import (
     Case,
     Impl,
     _as_model_output,
-    _missing,
     build_impls,
     ce_weight_grad_float64,
     parse_chunk,
@@ -347,13 +346,9 @@ def test_in_place_rows_get_a_non_leaf_copy_and_are_checked_with_the_gradient_tha
 
 
 def test_lmloss_in_place_row_holds_the_logits_and_one_chunk():
-    reason = _missing("cross_entropy", "inplace_backward")
     rows = run_sweep(_config(impls={"logits": ["naive", "inplace"], "fused": []}, chunks={"logits": [64]}),
                      show_progress=False)  # fmt: skip
     row = rows[-1]
-    if reason:  # this lmloss predates the in-place mode: listed as skipped, saying why
-        assert row.status == "skipped" and "inplace_backward=" in row.note
-        pytest.skip(reason)
     assert row.status == "ok" and row.check == "ok", row.note
     # logits fp32 [256, 1024] = 1 MiB; one fp32 chunk of 64 rows = 1/4 MiB, plus O(T) vectors
     assert row.peak_mib <= row.input_mib + 0.25 + 0.05
@@ -380,10 +375,7 @@ def test_fused_rows_rl_objective_and_weight_gradient_error_against_float64():
         else:  # the fp32 accumulator adds little to rounding the exact gradient once to bf16
             assert 0.9 * rounded < fused.wgrad_err < 1.5 * rounded
         lowacc = by[("fused-lowacc", "auto", "torch")]
-        if _missing("linear_cross_entropy", "weight_grad_dtype"):
-            assert lowacc.status == "skipped" and "weight_grad_dtype=" in lowacc.note
-        else:
-            assert lowacc.check == "ok" and lowacc.wgrad_err >= fused.wgrad_err * 0.99
+        assert lowacc.check == "ok" and lowacc.wgrad_err >= fused.wgrad_err * 0.99
     assert "wgrad err" in format_table(rows)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -41,27 +40,6 @@ KERNELS = ("torch", "triton")
 
 ENTROPY_COEF = 0.1  # weight of the entropy term in the ``logprobs+entropy`` and ``rl`` objectives
 TEMPERATURE = 0.7  # temperature of the ``rl`` objective
-
-#: The keywords of lmloss's ops that this lmloss lacks (they arrive with the GPU kernels). Rows that need a
-#: missing one are listed as skipped. MERGE NOTE: once every op has them, delete this one line and the
-#: `_missing` function goes empty-handed (or delete it too and its three call sites).
-_LACKING = {(op, k) for op in ("token_logprobs", "cross_entropy", "linear_cross_entropy", "linear_token_logprobs")
-            for k in ("impl", "inplace_backward", "weight_grad_dtype")
-            if k not in inspect.signature(getattr(lmloss, op)).parameters}  # fmt: skip
-
-
-def _missing(op: str, *keywords: str) -> str | None:
-    """Why a row calling ``lmloss.<op>(..., <keywords>)`` cannot run with this lmloss, or None."""
-    absent = [k for k in keywords if (op, k) in _LACKING]
-    return f"this lmloss's {op} has no {', '.join(k + '=' for k in absent)}" if absent else None
-
-
-def _kernel_kwargs(op: str, kernel: str) -> tuple[dict, str | None]:
-    """``impl=kernel`` for `op`, or (when this lmloss has no ``impl=``: PyTorch is its only implementation)
-    nothing for ``torch`` and a reason for ``triton``."""
-    if _missing(op, "impl") is None:
-        return {"impl": kernel}, None
-    return {}, (None if kernel == "torch" else f"{_missing(op, 'impl')}: no Triton kernels to run")
 
 
 def _triton_device_reason(kernel: str, device: str) -> str | None:
@@ -585,12 +563,11 @@ def build_impls(
     """
     out: list[Impl] = []
 
-    def lmloss_rows(name: str, op: str, make: Callable, objective: str, *, extra: tuple[str, ...] = (),
-                    extra_kwargs: dict | None = None, **impl_kw) -> None:  # fmt: skip
+    def lmloss_rows(name: str, op: str, make: Callable, objective: str, *, extra_kwargs: dict | None = None,
+                    **impl_kw) -> None:  # fmt: skip
         for kernel in kernels:
-            kw, reason = _kernel_kwargs(op, kernel)
-            reason = reason or _missing(op, *extra) or _triton_device_reason(kernel, device)
-            kw.update(extra_kwargs or {})
+            kw = {"impl": kernel, **(extra_kwargs or {})}
+            reason = _triton_device_reason(kernel, device)
             for c in chunks:
                 if workload == "logits" and c == "auto":
                     continue
@@ -608,7 +585,7 @@ def build_impls(
             elif name == "chunked":
                 lmloss_rows(name, "token_logprobs", _chunked_logits, "logprobs", traffic=3)
             elif name == "inplace":
-                lmloss_rows(name, "cross_entropy", _inplace_logits, "logprobs", extra=("inplace_backward",),
+                lmloss_rows(name, "cross_entropy", _inplace_logits, "logprobs",
                             traffic=2, prepare=_as_model_output, grads_of=lambda x: dict(x.sink))  # fmt: skip
             elif name == "naive-entropy":
                 out.append(Impl(name, "-", _naive_logits_entropy, is_reference=True, objective="logprobs+entropy",
@@ -633,8 +610,7 @@ def build_impls(
                 lmloss_rows(name, "linear_cross_entropy", _lmloss_fused, "ce")
             elif name == "fused-lowacc":
                 # the weight/bias gradient accumulated in the weight's dtype (made per case in the runner)
-                lmloss_rows(name, "linear_cross_entropy", _lowacc(_lmloss_fused), "ce",
-                            extra=("weight_grad_dtype",))  # fmt: skip
+                lmloss_rows(name, "linear_cross_entropy", _lowacc(_lmloss_fused), "ce")
             elif name == "naive-rl":
                 out.append(Impl(name, "-", _naive_fused_rl, is_reference=True, objective="rl"))
             elif name == "fused-rl":
