@@ -42,6 +42,7 @@ pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     # the interpreter does the kernels' arithmetic in numpy, which warns on the NaN rows that tests feed in
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
 ]
 
 
