@@ -139,9 +139,11 @@ class TorchKernels:
         n_valid = math.valid
         acc = compute_dtype(x.dtype)
         rows = x.shape[0]
-        slope = self._softcap_slope(x, math)  # before `out` (which may be `x`) is overwritten
         in_out = out.dtype == acc
-        work = out[:, :n_valid] if in_out else self.scratch.get("grad", rows, n_valid, acc)
+        # The partials' "y" buffer is free by now: the gradient's fp32 work (or, when the work is `out`
+        # itself, the softcap slope) reuses it, so a pass holds one fp32 chunk, not two.
+        slope = self._softcap_slope(x, math, "y" if in_out else "slope")  # before `out` (maybe `x`) changes
+        work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
         work.sub_(lse[:, None])  # log p
         a, d = coef[:, 0:1], coef[:, 3:4]
@@ -179,12 +181,13 @@ class TorchKernels:
         out[:, math.valid :].zero_()
         return result, out
 
-    def _softcap_slope(self, x, math: ChunkMath) -> torch.Tensor | None:
-        """``d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)**2`` for the valid columns; None without softcap."""
+    def _softcap_slope(self, x, math: ChunkMath, buffer: str) -> torch.Tensor | None:
+        """``d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)**2`` for the valid columns, in the scratch buffer
+        `buffer`; None without softcap."""
         if not math.softcap:
             return None
         rows, acc = x.shape[0], compute_dtype(x.dtype)
-        t = self.scratch.get("slope", rows, math.valid, acc).copy_(x[:, : math.valid])
+        t = self.scratch.get(buffer, rows, math.valid, acc).copy_(x[:, : math.valid])
         return t.div_(math.softcap).tanh_().square_().neg_().add_(1.0)
 
     def _finish_grad_(self, work, slope, labels, coef, math: ChunkMath, uniform_term: bool) -> None:
