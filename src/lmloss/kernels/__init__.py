@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -77,6 +78,11 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
             raise ValueError('impl="triton" needs the triton package (pip install triton); use impl="torch"')
         if dtype == torch.float64:
             raise ValueError('impl="triton" computes in fp32; float64 inputs need impl="torch" (or "auto")')
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f'impl="triton" runs on CUDA tensors (got {device.type}), or on CPU ones under Triton\'s '
+                'interpreter (TRITON_INTERPRET=1 before triton is imported); use impl="torch" or "auto"'
+            )
     return impl
 
 
