@@ -197,7 +197,8 @@ def grad_coefficients(
         b.add_(g)
     if g_loss is not None:  # d loss / dy = (1 + 2 z lse) p - (1 - eps) onehot - eps / V
         g = torch.where(valid, g_loss.to(lse.dtype), 0.0)
-        a.add_(g * (1.0 + 2.0 * plan.z_loss * lse) if plan.z_loss > 0 else g)
+        # where() again: the lse of an ignored row may be inf or NaN, and 0 * NaN is NaN
+        a.add_(torch.where(valid, g * (1.0 + 2.0 * plan.z_loss * lse), 0.0) if plan.z_loss > 0 else g)
         b.sub_((1.0 - plan.label_smoothing) * g)
         if plan.label_smoothing > 0:
             c.sub_((plan.label_smoothing / plan.shard.vocab_size) * g)
