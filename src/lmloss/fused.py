@@ -30,7 +30,7 @@ import math
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
+from lmloss._autograd import once_differentiable
 
 from lmloss import _validate
 from lmloss.kernels.torch_ref import ChunkScratch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
+from lmloss._autograd import once_differentiable
 
 from lmloss import _validate
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
