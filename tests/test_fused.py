@@ -643,3 +643,153 @@ def test_bf16_weight_grad_accumulator_error_grows_with_the_number_of_chunks():
     errors, once = _bf16_weight_grad_errors([512, 64, 8], torch.bfloat16)
     assert once < errors[0] < errors[1] < errors[2], (errors, once)  # 1, 8, 64 chunks: drift
     assert errors[2] > 2 * once
+
+
+# ----------------------------------------------------------------------------------------------------------
+# odd inputs: a clear error naming the argument, or the right answer
+
+FUSED_OPS = ["linear_token_logprobs", "linear_cross_entropy"]
+
+
+def _odd_base(dtype=torch.float32):
+    g = _gen(7)
+    hidden = torch.randn(6, 8, generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.randn(10, 8, generator=g, dtype=torch.float64).to(dtype)
+    labels = torch.tensor([3, -100, 9, 0, -100, 5])
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("fn", FUSED_OPS)
+def test_a_weight_with_no_rows_raises_a_clear_value_error(fn):
+    hidden, _, labels = _odd_base()
+    with pytest.raises(ValueError, match="vocabulary dimension is empty"):
+        getattr(lmloss, fn)(hidden, torch.zeros(0, 8), labels)
+
+
+def test_float64_fused_ops_are_computed_in_float64_and_pass_gradcheck():
+    hidden, weight, labels = _odd_base(torch.float64)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    bias = torch.randn(10, generator=_gen(8), dtype=torch.float64, requires_grad=True)
+    kw = dict(bias=bias, chunk_size=4, temperature=0.8, softcap=3.0)
+    assert torch.autograd.gradcheck(
+        lambda a, b: lmloss.linear_token_logprobs(a, b, labels, return_entropy=True, **kw), (h, w)
+    )
+    assert torch.autograd.gradcheck(
+        lambda a, b: lmloss.linear_cross_entropy(a, b, labels, reduction="none", **kw), (h, w)
+    )
+    # the summed path computes its gradients in the forward (once): compare with float64 autograd instead
+    loss = lmloss.linear_cross_entropy(h, w, labels, label_smoothing=0.1, **kw)
+    assert loss.dtype == torch.float64
+    (got_h, got_w, got_b) = torch.autograd.grad(loss, (h, w, bias))
+    z = 3.0 * torch.tanh((h @ w.T + bias) / 3.0) / 0.8
+    ref = torch.nn.functional.cross_entropy(z, labels, label_smoothing=0.1)
+    ref_grads = torch.autograd.grad(ref, (h, w, bias))
+    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0)
+    for got, want in zip((got_h, got_w, got_b), ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    logp = lmloss.linear_token_logprobs(h, w, labels, **kw)
+    ref_lp = torch.log_softmax(z, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    torch.testing.assert_close(logp, torch.where(labels != -100, ref_lp, 0.0), atol=1e-12, rtol=0)
+
+
+FUSED_CALLS = {
+    "logprobs": lambda h, w, y, impl: lmloss.linear_token_logprobs(h, w, y, impl=impl, chunk_size=2),
+    "ce_none": lambda h, w, y, impl: lmloss.linear_cross_entropy(h, w, y, impl=impl, reduction="none"),
+    "ce_mean_smoothing_z_loss": lambda h, w, y, impl: lmloss.linear_cross_entropy(
+        h, w, y, impl=impl, label_smoothing=0.1, z_loss=1e-2, chunk_size=4
+    ),
+}
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("call", list(FUSED_CALLS))
+def test_an_ignored_row_whose_logits_overflow_gives_exactly_zero_value_and_hidden_gradient(impl, call):
+    if impl == "triton":
+        pytest.importorskip(
+            "triton", reason='impl="triton" needs triton (run under TRITON_INTERPRET=1 on CPU)'
+        )
+    hidden, weight, labels = _odd_base()
+    hidden[1] = 3e38  # its logits overflow to +-inf (and NaN where they meet): an ignored row
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = FUSED_CALLS[call](h, w, labels, impl)
+    assert not torch.isfinite(h[1:2].detach() @ weight.T).all()
+    (out * torch.arange(1.0, 1.0 + out.numel()).view(out.shape)).sum().backward()
+    assert torch.equal(h.grad[1], torch.zeros(8))
+    kept = labels != -100
+    kept[4] = True  # the finite ignored row stays: only the overflowing row is dropped
+    h2, w2 = hidden[kept].clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = FUSED_CALLS[call](h2, w2, labels[kept], impl)
+    if out.dim() == 1:
+        assert out[1] == 0.0
+        torch.testing.assert_close(out[kept], ref, **FP32_TOL)
+        (ref * torch.arange(1.0, 1.0 + out.numel())[kept]).sum().backward()
+    else:
+        torch.testing.assert_close(out, ref, **FP32_TOL)
+        ref.backward()
+    # the weight gradient gets 0 * 3e38 = 0 from that row, not NaN
+    torch.testing.assert_close(w.grad, w2.grad, **FP32_TOL)
+    torch.testing.assert_close(h.grad[kept], h2.grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_fused_small_integer_label_dtypes_give_the_int64_result(dtype):
+    hidden, weight, labels = _odd_base()
+    labels = labels.clamp(min=0)
+    for fn in FUSED_OPS:
+        want = getattr(lmloss, fn)(hidden, weight, labels)
+        got = getattr(lmloss, fn)(hidden, weight, labels.to(dtype))
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fn", FUSED_OPS)
+def test_fused_labels_on_another_device_raise_naming_labels(fn):
+    hidden, weight, labels = _odd_base()
+    with pytest.raises(ValueError, match="labels are on meta"):
+        getattr(lmloss, fn)(hidden, weight, labels.to("meta"))
+
+
+FUSED_ODD_OPTIONS = [
+    # (id, kwargs, exception, the argument the message must name); each for both fused ops
+    ("ignore_index_none", dict(ignore_index=None), TypeError, "ignore_index"),
+    ("ignore_index_float", dict(ignore_index=2.5), TypeError, "ignore_index"),
+    ("vocab_size_float", dict(vocab_size=10.0), TypeError, "vocab_size"),
+    ("vocab_size_bool", dict(vocab_size=True), TypeError, "vocab_size"),
+    ("temperature_overflows", dict(temperature=1e-40), ValueError, "temperature"),
+    ("temperature_bool", dict(temperature=True), TypeError, "temperature"),
+    ("softcap_zero", dict(softcap=0), ValueError, "softcap"),
+    ("softcap_negative", dict(softcap=-1), ValueError, "softcap"),
+    ("chunk_size_zero", dict(chunk_size=0), ValueError, "chunk_size"),
+    ("chunk_size_bool", dict(chunk_size=True), TypeError, "chunk_size"),
+    ("sequence_parallel_int", dict(sequence_parallel=1), TypeError, "sequence_parallel"),
+    ("weight_grad_dtype_fp16", dict(weight_grad_dtype=torch.float16), ValueError, "weight_grad_dtype"),
+]
+
+
+@pytest.mark.parametrize("fn", FUSED_OPS)
+@pytest.mark.parametrize(
+    ("case", "kw", "exc", "word"), FUSED_ODD_OPTIONS, ids=[c[0] for c in FUSED_ODD_OPTIONS]
+)
+def test_fused_odd_option_values_raise_naming_the_option(fn, case, kw, exc, word):
+    hidden, weight, labels = _odd_base()
+    with pytest.raises(exc, match=word):
+        getattr(lmloss, fn)(hidden, weight, labels, **kw)
+
+
+def test_fused_label_smoothing_bool_raises_naming_it():
+    hidden, weight, labels = _odd_base()
+    with pytest.raises(TypeError, match="label_smoothing"):
+        lmloss.linear_cross_entropy(hidden, weight, labels, label_smoothing=True)
+
+
+@pytest.mark.parametrize(
+    ("fn", "kw"),
+    [("linear_token_logprobs", {}), ("linear_cross_entropy", dict(reduction="none")),
+     ("linear_cross_entropy", dict(reduction="sum"))],
+    ids=["logprobs", "ce_none", "ce_sum"],
+)  # fmt: skip
+def test_fused_double_backward_raises_a_runtime_error_naming_lmloss(fn, kw):
+    hidden, weight, labels = _odd_base()
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    (g,) = torch.autograd.grad(getattr(lmloss, fn)(h, w, labels, **kw).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="lmloss ops are differentiable once"):
+        g.square().sum().backward()

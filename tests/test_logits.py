@@ -546,3 +546,168 @@ def test_ignore_index_label_is_not_out_of_range():
     labels[0, 0] = -7
     out = lmloss.token_logprobs(logits, labels, ignore_index=-7)
     assert out[0, 0] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# odd inputs: a clear error naming the argument, or the right answer
+
+
+LOGITS_OPS = ["token_logprobs", "token_entropy", "cross_entropy"]
+
+
+def _triton_or_skip(impl: str) -> None:
+    if impl == "triton":
+        pytest.importorskip(
+            "triton", reason='impl="triton" needs triton (run under TRITON_INTERPRET=1 on CPU)'
+        )
+
+
+@pytest.mark.parametrize("op", LOGITS_OPS)
+def test_logits_with_an_empty_vocabulary_dimension_raise_a_clear_value_error(op):
+    with pytest.raises(ValueError, match="vocabulary dimension is empty"):
+        _call(op, torch.zeros(4, 0), torch.zeros(4, dtype=torch.long))
+
+
+def test_float64_logits_are_computed_in_float64_and_pass_gradcheck():
+    x = _logits((5, 7), seed=11, dtype=torch.float64).requires_grad_()
+    labels = torch.tensor([3, -100, 0, 6, 2])
+    kw = dict(chunk_size=2, temperature=0.7)
+    # gradcheck: finite differences in float64 agree with the analytical gradient (fp32 math would not)
+    assert torch.autograd.gradcheck(
+        lambda a: lmloss.token_logprobs(a, labels, return_entropy=True, **kw), (x,)
+    )
+    assert torch.autograd.gradcheck(lambda a: lmloss.token_entropy(a, **kw), (x,))
+    for reduction in ("none", "mean"):
+        assert torch.autograd.gradcheck(
+            lambda a, r=reduction: lmloss.cross_entropy(a, labels, reduction=r, **kw), (x,)
+        )
+    logp, ent = lmloss.token_logprobs(x, labels, return_entropy=True, **kw)
+    ce = lmloss.cross_entropy(x, labels, label_smoothing=0.1, **kw)
+    assert logp.dtype == ent.dtype == ce.dtype == torch.float64
+    ref_lp = _ref_logprobs(x.detach(), labels, temperature=0.7)
+    ref_ce = F.cross_entropy(x.detach() / 0.7, labels, label_smoothing=0.1)
+    torch.testing.assert_close(logp, ref_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, _ref_entropy(x.detach(), temperature=0.7), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ce, ref_ce, atol=1e-12, rtol=0)
+
+
+NON_FINITE_ROWS = {"nan_row": float("nan"), "minus_inf_row": -float("inf"), "plus_inf_row": float("inf")}
+
+LABELLED_CALLS = {
+    "logprobs": lambda x, y, impl: lmloss.token_logprobs(x, y, impl=impl, chunk_size=3),
+    "logprobs_of_return_entropy": lambda x, y, impl: lmloss.token_logprobs(
+        x, y, impl=impl, return_entropy=True
+    )[0],
+    "ce_none": lambda x, y, impl: lmloss.cross_entropy(x, y, impl=impl, reduction="none"),
+    "ce_sum_smoothing_z_loss": lambda x, y, impl: lmloss.cross_entropy(
+        x, y, impl=impl, reduction="sum", label_smoothing=0.1, z_loss=1e-2
+    ),
+    "ce_mean_inplace": lambda x, y, impl: lmloss.cross_entropy(x * 1.0, y, impl=impl, inplace_backward=True),
+}
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("row", list(NON_FINITE_ROWS))
+@pytest.mark.parametrize("call", list(LABELLED_CALLS))
+def test_an_ignored_row_with_non_finite_logits_gives_exactly_zero_value_and_gradient(impl, row, call):
+    _triton_or_skip(impl)
+    x64 = _logits((5, 9), seed=4, dtype=torch.float64)
+    x64[1] = NON_FINITE_ROWS[row]
+    x64[3, 2] = NON_FINITE_ROWS[row]  # one non-finite column in another ignored row
+    labels = torch.tensor([4, -100, 0, -100, 8])
+    x = x64.float().requires_grad_()
+    out = LABELLED_CALLS[call](x, labels, impl)
+    (out * torch.arange(1.0, 1.0 + out.numel()).view(out.shape)).sum().backward()
+    ignored = labels == -100
+    assert torch.equal(x.grad[ignored], torch.zeros(2, 9))
+    # the other rows are unaffected: the same as the op on the finite rows alone
+    kept = _leaf(x64[~ignored].float())
+    ref = LABELLED_CALLS[call](kept, labels[~ignored], impl)
+    if out.dim() == 1:
+        assert torch.equal(out[ignored], torch.zeros(2))
+        torch.testing.assert_close(out[~ignored], ref, **FP32_TOL)
+    else:  # the summed / mean loss: ignored rows add nothing (mean: nor to the count)
+        torch.testing.assert_close(out, ref, **FP32_TOL)
+        ref.backward()
+        torch.testing.assert_close(x.grad[~ignored], kept.grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_small_integer_label_dtypes_give_the_int64_result(dtype):
+    x = _logits((6, 11), seed=5)
+    labels = torch.tensor([0, 10, 3, 7, 5, 1])
+    for op in ("token_logprobs", "cross_entropy"):
+        a, b = _leaf(x), _leaf(x)
+        want = _call(op, a, labels, chunk_size=4)
+        got = _call(op, b, labels.to(dtype), chunk_size=4)
+        got.sum().backward()
+        want.sum().backward()
+        assert torch.equal(got, want) and torch.equal(b.grad, a.grad)
+    if dtype != torch.uint8:  # a negative ignore_index in a signed small dtype is still ignored
+        ignored = labels.to(dtype).clone()
+        ignored[2] = -100
+        assert lmloss.token_logprobs(x, ignored)[2] == 0.0
+
+
+@pytest.mark.parametrize("op", ["token_logprobs", "cross_entropy"])
+def test_labels_on_another_device_raise_naming_labels(op):
+    x = _logits((3, 5))
+    with pytest.raises(ValueError, match="labels are on meta"):
+        _call(op, x, torch.zeros(3, dtype=torch.long, device="meta"))
+
+
+ODD_OPTIONS = [
+    # (id, ops, kwargs, exception, the argument the message must name)
+    (
+        "ignore_index_none",
+        ["token_logprobs", "cross_entropy"],
+        dict(ignore_index=None),
+        TypeError,
+        "ignore_index",
+    ),
+    (
+        "ignore_index_float",
+        ["token_logprobs", "cross_entropy"],
+        dict(ignore_index=2.5),
+        TypeError,
+        "ignore_index",
+    ),
+    (
+        "ignore_index_bool",
+        ["token_logprobs", "cross_entropy"],
+        dict(ignore_index=True),
+        TypeError,
+        "ignore_index",
+    ),
+    ("vocab_size_float", LOGITS_OPS, dict(vocab_size=10.0), TypeError, "vocab_size"),
+    ("vocab_size_bool", LOGITS_OPS, dict(vocab_size=True), TypeError, "vocab_size"),
+    ("temperature_overflows", LOGITS_OPS, dict(temperature=1e-40), ValueError, "temperature"),
+    ("temperature_inf", LOGITS_OPS, dict(temperature=float("inf")), ValueError, "temperature"),
+    ("temperature_bool", LOGITS_OPS, dict(temperature=True), TypeError, "temperature"),
+    ("softcap_zero", LOGITS_OPS, dict(softcap=0), ValueError, "softcap"),
+    ("softcap_negative", LOGITS_OPS, dict(softcap=-1), ValueError, "softcap"),
+    ("softcap_bool", LOGITS_OPS, dict(softcap=True), TypeError, "softcap"),
+    ("chunk_size_zero", LOGITS_OPS, dict(chunk_size=0), ValueError, "chunk_size"),
+    ("chunk_size_bool", LOGITS_OPS, dict(chunk_size=True), TypeError, "chunk_size"),
+    ("label_smoothing_bool", ["cross_entropy"], dict(label_smoothing=True), TypeError, "label_smoothing"),
+    ("impl_unknown", LOGITS_OPS, dict(impl="cuda"), ValueError, "impl"),
+]
+
+
+@pytest.mark.parametrize(("case", "ops", "kw", "exc", "word"), ODD_OPTIONS, ids=[c[0] for c in ODD_OPTIONS])
+def test_odd_option_values_raise_naming_the_option(case, ops, kw, exc, word):
+    logits, labels = _ok()
+    for op in ops:
+        with pytest.raises(exc, match=word):
+            _call(op, logits, labels, **kw)
+
+
+@pytest.mark.parametrize("op", LOGITS_OPS)
+def test_double_backward_raises_a_runtime_error_naming_lmloss(op):
+    logits, labels = _ok()
+    for upstream_requires_grad in (False, True):
+        x = _leaf(logits)
+        w = torch.ones(3, 4, requires_grad=upstream_requires_grad)
+        (g,) = torch.autograd.grad((_call(op, x, labels) * w).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="lmloss ops are differentiable once"):
+            g.square().sum().backward()

@@ -30,9 +30,9 @@ import math
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from lmloss import _validate
+from lmloss._autograd import once_differentiable
 from lmloss.kernels.torch_ref import ChunkScratch
 from lmloss.logits import reduce_loss
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
@@ -111,7 +111,7 @@ def chunk_dtype_for(weight: torch.Tensor, weight_grad_dtype: torch.dtype) -> tor
     itself (CUDA). Otherwise (bf16 / fp16 on CPU) fp32, so that the fp32 accumulator gets unrounded
     d-logits.
     """
-    if weight.dtype == torch.float32 or weight_grad_dtype == weight.dtype:
+    if weight.dtype in (torch.float32, torch.float64) or weight_grad_dtype == weight.dtype:
         return weight.dtype
     return weight.dtype if gemm_accumulates_into_fp32(weight.device, weight.dtype) else torch.float32
 
@@ -129,14 +129,15 @@ class _Accumulators:
     ):
         self.hidden_in, self.weight_in, self.scratch = hidden, weight, scratch
         self.sequence_parallel = sequence_parallel
-        h_dtype = torch.float32 if tp_summed else hidden.dtype
+        h_dtype = torch.promote_types(hidden.dtype, torch.float32) if tp_summed else hidden.dtype
         self.hidden = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device) if needs[0] else None
         self.weight = (
             torch.zeros(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None
         )
         self.bias = None
         if bias is not None and needs[2]:
-            self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            bias_dtype = torch.promote_types(bias.dtype, torch.float32)
+            self.bias = torch.zeros(bias.shape, dtype=bias_dtype, device=bias.device)
 
     def buffer(self, s, e, x):
         return x  # the chunk is scratch in `chunk_dtype_for`: its d-logits overwrite it
@@ -158,7 +159,7 @@ class _Accumulators:
             else:  # low-precision d-logits into the fp32 accumulator, on the tensor cores
                 torch.addmm(self.weight, dz.t(), rows, out_dtype=torch.float32, out=self.weight)
         if self.bias is not None:
-            self.bias.add_(dz.sum(dim=0, dtype=torch.float32))
+            self.bias.add_(dz.sum(dim=0, dtype=self.bias.dtype))
 
     def finish(self, hidden, weight, bias, tp_group, scale=None):
         """The gradients in their inputs' dtypes; scaled by the upstream scalar `scale` if given."""
@@ -319,7 +320,8 @@ def _prepare(
     if sequence_parallel:
         flat = _GatherRows.apply(flat, tp_group)
     opts = dict(
-        weight_grad_dtype=weight_grad_dtype,
+        # float64 weights accumulate in float64 (the fp32 default is "at least fp32")
+        weight_grad_dtype=torch.float64 if weight.dtype == torch.float64 else weight_grad_dtype,
         tp_summed=world_size(tp_group) > 1,
         sequence_parallel=sequence_parallel,
         chunk_dtype=chunk_dtype_for(weight, weight_grad_dtype),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from lmloss import _validate
+from lmloss._autograd import once_differentiable
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,8 @@ def resolve_shard(
 
 _FIXED_FIELDS = ("V_local", "vocab_start_given", "vocab_start", "vocab_size", "label_min", "label_max")
 _PER_RANK_FIELDS = ("V_local", "vocab_start", "label_min", "label_max")
+#: `agree` fields that `lmloss.plan.make_plan` packs as the bits of a float64
+_FLOAT_FIELDS = ("temperature", "softcap", "label_smoothing", "z_loss")
 
 
 def _gather_metadata(group, local_size, vocab_start, vocab_size, agree, label_bounds, device) -> list[dict]:
@@ -149,9 +152,15 @@ def _check_agreement(ranks: list[dict]) -> None:
             continue
         values = [r[name] for r in ranks]
         if len(set(values)) > 1:
+            if name in _FLOAT_FIELDS:  # gathered as the float64's bits (int64), shown as the floats
+                values = [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
             shown = {
                 "vocab_start_given": "vocab_start passed (1) or not (0)",
                 "vocab_size": "vocab_size (-1: None)",
+                "chunk_size": "chunk_size (-1: None, -2: 'auto')",
+                "softcap": "softcap (0.0: None)",
+                "impl": "impl (0: torch, 1: triton)",
+                "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
             }
             raise ValueError(
                 f"TP ranks disagree on {shown.get(name, name)}: per rank {values}. Every rank of tp_group must "

@@ -1,0 +1,417 @@
+"""TP ranks that disagree raise the same ValueError on every rank; uneven shards compute the right answer.
+
+ONE spawned run of 2 gloo ranks hosts every case (a process-group start costs seconds). The run has a
+deadline and the process group a short collective timeout, so a regression that makes the ranks hang
+fails this test within seconds instead of blocking for gloo's default 30 minutes.
+
+disagree  - per op (token_logprobs, cross_entropy, linear_cross_entropy, and the fused / logits op that
+            each case applies to) and per case: the ranks call with different token counts, chunk sizes,
+            uneven shards without vocab_start, vocab_start on one rank only, vocab_size, a 0-column shard,
+            a label out of range on one rank, temperature, ... Every rank catches the exception and returns
+            its type and message; afterwards a plain all_gather must still pair up (ranks in step).
+uneven    - shards of 20 and 12 columns with vocab_start and chunk_size="auto" (a chunk budget small
+            enough that each rank's own shard would give a different chunk): fused and logits ops.
+triton    - impl="triton" (the Triton interpreter, TRITON_INTERPRET=1) at TP=2, even and uneven shards,
+            with softcap, temperature and vocab_size padding: values and gradients.
+The references are float64 plain PyTorch over the unsharded tensors, computed in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+
+# the Triton kernels must run on the CPU interpreter in the spawned ranks too: triton reads this variable
+# when it is first imported, and the spawned ranks import this module (and lmloss) before running a case
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import datetime
+import multiprocessing
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lmloss
+from lmloss.distributed import free_port
+
+WORLD = 2
+RUN_DEADLINE_S = 120  # the whole spawned run; it takes ~15 s when nothing hangs
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
+N, H, V = 6, 8, 32  # tokens, hidden width, global vocabulary columns
+SPLIT = (20, 12)  # uneven shards: rank 0 holds columns [0, 20), rank 1 [20, 32)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the harness: one spawned run with a deadline
+
+
+def _entry(rank: int, port: int, out_dir: str) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
+    try:
+        torch.save(_all_cases(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_with_deadline() -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(r, port, out_dir)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=RUN_DEADLINE_S)
+        for p in procs:
+            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} still running after {RUN_DEADLINE_S} s: a collective hangs"
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * WORLD, f"a rank died (exit codes {codes})"
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return _run_with_deadline()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# disagreements: per-rank arguments
+
+
+def _data(seed: int, n: int, v_local: int, h: int = H):
+    g = _gen(seed)
+    return dict(
+        logits=torch.randn(n, v_local, generator=g),
+        hidden=torch.randn(n, h, generator=g),
+        weight=torch.randn(v_local, h, generator=g),
+        labels=torch.randint(0, 16, (n,), generator=g),  # valid for every global vocabulary below
+    )
+
+
+def _call(op: str, d: dict, kw: dict):
+    if op == "token_logprobs":
+        return lmloss.token_logprobs(d["logits"], d["labels"], **kw)
+    if op == "token_entropy":
+        return lmloss.token_entropy(d["logits"], **kw)
+    if op == "cross_entropy":
+        return lmloss.cross_entropy(d["logits"], d["labels"], **kw)
+    if op == "linear_token_logprobs":
+        return lmloss.linear_token_logprobs(d["hidden"], d["weight"], d["labels"], **kw)
+    return lmloss.linear_cross_entropy(d["hidden"], d["weight"], d["labels"], **kw)
+
+
+LABELLED = ("token_logprobs", "cross_entropy", "linear_cross_entropy")
+ALL = ("token_logprobs", "token_entropy", "cross_entropy", "linear_token_logprobs", "linear_cross_entropy")
+
+
+def _per_rank(rank, a, b):
+    return a if rank == 0 else b
+
+
+def _with_label(d, pos, value):
+    d["labels"] = d["labels"].clone()
+    d["labels"][pos] = value
+    return d
+
+
+# name -> (ops, rank -> (data, kwargs), words every rank's message must contain)
+DISAGREEMENTS = {
+    "token_count": (
+        ALL,
+        lambda r: (_data(r, _per_rank(r, 6, 5), 16), {}),
+        ["n_tokens", "[6, 5]"],
+    ),
+    "chunk_size": (
+        ALL,
+        lambda r: (_data(r, N, 16), dict(chunk_size=_per_rank(r, 2, 3))),
+        ["chunk_size", "[2, 3]"],
+    ),
+    "chunk_size_auto_on_one_rank": (
+        LABELLED,
+        lambda r: (_data(r, N, 16), dict(chunk_size=_per_rank(r, "auto", 4))),
+        ["chunk_size", "[-2, 4]"],
+    ),
+    "uneven_shards_without_vocab_start": (
+        ALL,
+        lambda r: (_data(r, N, SPLIT[r]), {}),
+        ["uneven", "vocab_start", "[20, 12]"],
+    ),
+    "vocab_start_on_one_rank_only": (
+        ALL,
+        lambda r: (_data(r, N, 16), dict(vocab_start=_per_rank(r, 0, None))),
+        ["vocab_start", "[1, 0]"],
+    ),
+    "vocab_size": (
+        ALL,
+        lambda r: (_data(r, N, 16), dict(vocab_size=_per_rank(r, 32, 30))),
+        ["vocab_size", "[32, 30]"],
+    ),
+    "zero_column_shard": (
+        ALL,
+        lambda r: (_data(r, N, _per_rank(r, 16, 0)), {}),
+        ["0 vocabulary columns", "V_local", "[16, 0]"],
+    ),
+    "zero_column_shard_with_vocab_start": (
+        LABELLED,
+        lambda r: (_data(r, N, _per_rank(r, 16, 0)), dict(vocab_start=_per_rank(r, 0, 16))),
+        ["0 vocabulary columns", "[16, 0]"],
+    ),
+    "label_out_of_range_on_one_rank": (
+        LABELLED,
+        lambda r: (_with_label(_data(r, N, 16), 2, _per_rank(r, 3, 32)), {}),
+        ["labels", "[0, 32)", "1: (", ", 32)"],
+    ),
+    "negative_label_on_one_rank": (
+        LABELLED,
+        lambda r: (_with_label(_data(r, N, 16), 4, _per_rank(r, -5, 3)), {}),
+        ["labels", "0: (-5,"],
+    ),
+    "temperature": (
+        ALL,
+        lambda r: (_data(r, N, 16), dict(temperature=_per_rank(r, 1.0, 0.5))),
+        ["temperature", "[1.0, 0.5]"],
+    ),
+    "softcap": (
+        ALL,
+        lambda r: (_data(r, N, 16), dict(softcap=_per_rank(r, None, 30.0))),
+        ["softcap", "[0.0, 30.0]"],
+    ),
+    "ignore_index": (
+        LABELLED,
+        lambda r: (_data(r, N, 16), dict(ignore_index=_per_rank(r, -100, -1))),
+        ["ignore_index", "[-100, -1]"],
+    ),
+    "impl": (
+        LABELLED,
+        lambda r: (_data(r, N, 16), dict(impl=_per_rank(r, "torch", "triton"))),
+        ["impl", "[0, 1]"],
+    ),
+    "return_entropy": (
+        ("token_logprobs", "linear_token_logprobs"),
+        lambda r: (_data(r, N, 16), dict(return_entropy=_per_rank(r, True, False))),
+        ["outputs", "[3, 1]"],
+    ),
+    "label_smoothing": (
+        ("cross_entropy", "linear_cross_entropy"),
+        lambda r: (_data(r, N, 16), dict(label_smoothing=_per_rank(r, 0.0, 0.25))),
+        ["label_smoothing", "[0.0, 0.25]"],
+    ),
+    "hidden_width": (
+        ("linear_token_logprobs", "linear_cross_entropy"),
+        lambda r: (_data(r, N, 16, h=_per_rank(r, 8, 6)), {}),
+        ["hidden_width", "[8, 6]"],
+    ),
+}
+
+
+def _in_step(rank: int, tag: int) -> bool:
+    """A plain collective after a case: the ranks must still pair up (nobody left inside the op)."""
+    mine = torch.tensor([rank, tag], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone] == [[r, tag] for r in range(WORLD)]
+
+
+def _disagreements(rank: int, group) -> dict:
+    out = {}
+    tag = 0
+    for case, (ops, make, _) in DISAGREEMENTS.items():
+        for op in ops:
+            tag += 1
+            data, kw = make(rank)
+            try:
+                _call(op, data, dict(kw, tp_group=group))
+                error = None
+            except Exception as e:  # noqa: BLE001 - every rank reports what it raised, whatever it is
+                error = (type(e).__name__, str(e))
+            out[case, op] = dict(error=error, in_step=_in_step(rank, tag))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# positive cases: shards of the same global tensors
+
+
+def _global(seed: int, *, vocab_size: int | None = None):
+    """Global logits [N, V], hidden [N, H], weight [V, H], labels [N] (two ignored), upstream weights."""
+    g = _gen(seed)
+    real = V if vocab_size is None else vocab_size
+    labels = torch.randint(0, real, (N,), generator=g)
+    labels[1] = labels[4] = -100
+    return dict(
+        logits=torch.randn(N, V, generator=g) * 3,
+        hidden=torch.randn(N, H, generator=g),
+        weight=torch.randn(V, H, generator=g) * 0.7,
+        labels=labels,
+        w_logprobs=torch.randn(N, generator=g),
+        w_entropy=torch.randn(N, generator=g),
+    )
+
+
+def _shard_span(rank: int, split: tuple[int, int]) -> tuple[int, int]:
+    start = sum(split[:rank])
+    return start, start + split[rank]
+
+
+def _fused_outputs(g: dict, s: int, e: int, kw: dict) -> dict:
+    """linear_cross_entropy (mean) and linear_token_logprobs (+ entropy) on this rank's weight rows."""
+    out = {}
+    h = g["hidden"].clone().requires_grad_()
+    w = g["weight"][s:e].clone().requires_grad_()
+    loss = lmloss.linear_cross_entropy(h, w, g["labels"], **kw)
+    loss.backward()
+    out["ce"], out["ce_grad_hidden"], out["ce_grad_weight"] = loss.detach(), h.grad, w.grad
+    h = g["hidden"].clone().requires_grad_()
+    w = g["weight"][s:e].clone().requires_grad_()
+    logp, ent = lmloss.linear_token_logprobs(h, w, g["labels"], return_entropy=True, **kw)
+    ((logp * g["w_logprobs"]).sum() + (ent * g["w_entropy"]).sum()).backward()
+    out["logprobs"], out["entropy"] = logp.detach(), ent.detach()
+    out["lp_grad_hidden"], out["lp_grad_weight"] = h.grad, w.grad
+    return out
+
+
+def _logits_outputs(g: dict, s: int, e: int, kw: dict) -> dict:
+    """cross_entropy (mean) and token_logprobs (+ entropy) on this rank's logit columns."""
+    out = {}
+    x = g["logits"][:, s:e].clone().requires_grad_()
+    loss = lmloss.cross_entropy(x, g["labels"], **kw)
+    loss.backward()
+    out["ce"], out["ce_grad"] = loss.detach(), x.grad
+    x = g["logits"][:, s:e].clone().requires_grad_()
+    logp, ent = lmloss.token_logprobs(x, g["labels"], return_entropy=True, **kw)
+    ((logp * g["w_logprobs"]).sum() + (ent * g["w_entropy"]).sum()).backward()
+    out["logprobs"], out["entropy"], out["lp_grad"] = logp.detach(), ent.detach(), x.grad
+    return out
+
+
+#: name -> (split, kwargs of every call); the same global tensors (seeded by name's index)
+POSITIVE = {
+    "uneven_auto": (SPLIT, dict(chunk_size="auto")),
+    "triton_even": ((16, 16), dict(impl="triton", chunk_size=4, temperature=0.7, softcap=5.0)),
+    "triton_uneven_padded": (
+        SPLIT,
+        dict(impl="triton", chunk_size="auto", temperature=1.3, softcap=4.0, vocab_size=29),
+    ),
+}
+
+
+def _positive(rank: int, group) -> dict:
+    out = {}
+    for i, (name, (split, kw)) in enumerate(POSITIVE.items()):
+        g = _global(100 + i, vocab_size=kw.get("vocab_size"))
+        s, e = _shard_span(rank, split)
+        kw = dict(kw, tp_group=group)
+        if split[0] != split[1]:
+            kw["vocab_start"] = s
+        # a chunk budget so small that each rank's own shard would give it another "auto" chunk (1 row
+        # for 20 columns, 2 for 12): the ranks must size it from a width they agree on
+        before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
+        os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(200 / 2**20)
+        try:
+            out[name, "fused"] = _fused_outputs(g, s, e, kw)
+        finally:
+            if before is None:
+                del os.environ["LMLOSS_CHUNK_BUDGET_MIB"]
+            else:
+                os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = before
+        out[name, "logits"] = _logits_outputs(g, s, e, kw)
+        out[name, "in_step"] = _in_step(rank, 1000 + i)
+    return out
+
+
+def _all_cases(rank: int) -> dict:
+    group = dist.new_group(list(range(WORLD)))
+    return dict(disagree=_disagreements(rank, group), positive=_positive(rank, group))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the assertions
+
+
+CASE_OPS = [(case, op) for case, (ops, _, _) in DISAGREEMENTS.items() for op in ops]
+
+
+@pytest.mark.parametrize(("case", "op"), CASE_OPS, ids=[f"{c}-{o}" for c, o in CASE_OPS])
+def test_disagreeing_ranks_all_raise_the_same_value_error_naming_the_argument(ranks, case, op):
+    words = DISAGREEMENTS[case][2]
+    errors = [ranks[r]["disagree"][case, op]["error"] for r in range(WORLD)]
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} computed instead of raising"
+        kind, message = error
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        for word in words:
+            assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+    assert errors[0] == errors[1], "the ranks raised different errors"
+    assert all(ranks[r]["disagree"][case, op]["in_step"] for r in range(WORLD)), "ranks out of step"
+
+
+def _ref_logits(g: dict, kw: dict, *, fused: bool):
+    """float64 leaves and the scaled logits over the real vocabulary, as the op defines them."""
+    if fused:
+        leaves = [g["hidden"].double().requires_grad_(), g["weight"].double().requires_grad_()]
+        z = leaves[0] @ leaves[1].T
+    else:
+        leaves = [g["logits"].double().requires_grad_()]
+        z = leaves[0]
+    if kw.get("softcap") is not None:
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    z = z[:, : kw.get("vocab_size", V)] / kw.get("temperature", 1.0)
+    return leaves, z
+
+
+def _references(g: dict, kw: dict, *, fused: bool) -> dict:
+    labels, valid = g["labels"], g["labels"] != -100
+    ref = {}
+    leaves, z = _ref_logits(g, kw, fused=fused)
+    loss = F.cross_entropy(z, labels, ignore_index=-100)
+    loss.backward()
+    ref["ce"] = loss.detach()
+    ref["ce_grads"] = [t.grad for t in leaves]
+    leaves, z = _ref_logits(g, kw, fused=fused)
+    logp_all = torch.log_softmax(z, dim=-1)
+    picked = logp_all.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0]
+    logp = torch.where(valid, picked, 0.0)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((logp * g["w_logprobs"].double()).sum() + (ent * g["w_entropy"].double()).sum()).backward()
+    ref["logprobs"], ref["entropy"] = logp.detach(), ent.detach()
+    ref["lp_grads"] = [t.grad for t in leaves]
+    return ref
+
+
+@pytest.mark.parametrize("name", list(POSITIVE))
+@pytest.mark.parametrize("path", ["fused", "logits"])
+def test_tp2_shards_match_the_single_process_float64_result(ranks, name, path):
+    split, kw = POSITIVE[name]
+    g = _global(100 + list(POSITIVE).index(name), vocab_size=kw.get("vocab_size"))
+    ref = _references(g, kw, fused=path == "fused")
+    for rank in range(WORLD):
+        got = ranks[rank]["positive"][name, path]
+        s, e = _shard_span(rank, split)
+        assert ranks[rank]["positive"][name, "in_step"]
+        for key in ("ce", "logprobs", "entropy"):
+            torch.testing.assert_close(got[key].double(), ref[key], **TOL, msg=f"rank {rank} {key}")
+        if path == "fused":
+            # every TP rank receives the full (summed) hidden gradient and its own weight rows' gradient
+            torch.testing.assert_close(got["ce_grad_hidden"].double(), ref["ce_grads"][0], **TOL)
+            torch.testing.assert_close(got["ce_grad_weight"].double(), ref["ce_grads"][1][s:e], **TOL)
+            torch.testing.assert_close(got["lp_grad_hidden"].double(), ref["lp_grads"][0], **TOL)
+            torch.testing.assert_close(got["lp_grad_weight"].double(), ref["lp_grads"][1][s:e], **TOL)
+        else:
+            torch.testing.assert_close(got["ce_grad"].double(), ref["ce_grads"][0][:, s:e], **TOL)
+            torch.testing.assert_close(got["lp_grad"].double(), ref["lp_grads"][0][:, s:e], **TOL)
