@@ -17,6 +17,7 @@ each TP rank holds ``[S/TP, B, H]`` of the output layer's input, the rank's cont
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -39,15 +40,13 @@ FROM_PARALLEL_STATE: Any = _FromParallelState()
 
 def tensor_parallel_group(tp_group: ProcessGroup | None | Any = FROM_PARALLEL_STATE) -> ProcessGroup | None:
     """Resolve a ``tp_group`` argument: an explicit group (or None = one process) is returned as given;
-    `FROM_PARALLEL_STATE` becomes ``parallel_state.get_tensor_model_parallel_group()`` when megatron-core is
-    importable and its model-parallel state is initialized, else None (one process)."""
+    `FROM_PARALLEL_STATE` becomes ``parallel_state.get_tensor_model_parallel_group()`` when megatron-core's
+    model-parallel state is initialized in this process, else None (one process)."""
     if tp_group is not FROM_PARALLEL_STATE:
         return tp_group
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    if not parallel_state.model_parallel_is_initialized():
+    # A program whose Megatron state is initialized has imported it: never import it (seconds) just to look.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_tensor_model_parallel_group()
 
