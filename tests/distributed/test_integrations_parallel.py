@@ -261,5 +261,5 @@ def test_patched_model_under_fsdp2_gives_the_single_process_loss_gradients_and_l
             for pname, p in reference.named_parameters():
                 # FSDP2 averages the ranks' gradients; their sum is the global gradient
                 torch.testing.assert_close(
-                    grads[pname] * WORLD, p.grad, **TOL, msg=lambda m, n=pname: f"{name} {n}: {m}"
+                    grads[pname] * WORLD, p.grad, **TOL, msg=lambda m, n=f"{name} {pname}": f"{n}: {m}"
                 )
