@@ -57,8 +57,16 @@ def _why_not_run(code: str) -> tuple[str, str] | None:
 
 
 def _run_blocks(codes: list[str], out_path: str) -> None:
+    import faulthandler
+    import sys
+
+    import torch
     import torch.distributed as dist
 
+    # A forked child must not enter the parent's OpenMP thread pool (it would wait forever for threads that
+    # were not forked): one intra-op thread, as DataLoader workers do.
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(240, exit=True, file=sys.stderr)  # a stack instead of a silent hang
     torchrun_env = dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
         LOCAL_WORLD_SIZE="1",
@@ -93,10 +101,10 @@ def block_errors() -> dict[int, str | None]:
             target=_run_blocks, args=([BLOCKS[i][1] for i in runnable], out_path)
         )
         child.start()
-        child.join(timeout=300)
+        child.join(timeout=280)
         if child.is_alive():
             child.kill()
-            pytest.fail("the doc blocks did not finish in 300 s")
+            pytest.fail("the doc blocks did not finish in 280 s")
         assert child.exitcode == 0, f"the child running the doc blocks exited with {child.exitcode}"
         return dict(zip(runnable, json.loads(Path(out_path).read_text())))
 

@@ -170,7 +170,9 @@ def _fsdp_inputs():
 
 
 def _run_forked_ranks(fn, world_size, *args):
-    """`dist_utils.run_ranks`, with forked instead of spawned processes (they inherit the imports)."""
+    """`dist_utils.run_ranks`, with forked instead of spawned processes (they inherit the imports).
+
+    `_entry` sets one intra-op thread first: a forked child must not enter the parent's OpenMP pool."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True,
