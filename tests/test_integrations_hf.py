@@ -164,6 +164,20 @@ def test_bf16_matches_transformers_within_bf16_rounding():
         torch.testing.assert_close(got_grads[name].float(), want_grads[name].float(), atol=2e-3, rtol=2e-2)
 
 
+def test_under_cpu_autocast_the_head_runs_in_the_autocast_dtype_like_nn_linear():
+    reference = tiny_model("qwen2")  # fp32 parameters, bf16 compute
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+        got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-3, rtol=1e-3)
+    assert got_grads["lm_head.weight"].dtype == torch.float32
+    torch.testing.assert_close(
+        got_grads["lm_head.weight"], want_grads["lm_head.weight"], atol=2e-3, rtol=2e-2
+    )
+
+
 def test_patch_is_idempotent_and_unpatch_restores_the_original_forward():
     model = tiny_model("llama")
     assert hf.patch(model) is model and hf.is_patched(model)
