@@ -1,7 +1,7 @@
 """docs/use_in_your_stack.md: every ```python block runs as written.
 
 The blocks run one after another in one forked child of the test process (it inherits the imports of
-torch, transformers and megatron-core, seconds each), each in a fresh namespace, and the FSDP2 block
+torch, transformers and megatron-core, seconds each; spawned if this process holds a process group), each in a fresh namespace, and the FSDP2 block
 with the environment ``torchrun --nproc_per_node 1`` would set.
 """
 
@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import lmloss
 from lmloss.distributed import free_port
@@ -97,7 +98,10 @@ def block_errors() -> dict[int, str | None]:
     runnable = [i for i, (_, code) in enumerate(BLOCKS) if _why_not_run(code) is None]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
-        child = multiprocessing.get_context("fork").Process(
+        # Fork, unless this process holds a process group (another test may have started one): a forked
+        # copy of live gloo state crashes. Spawning costs the imports again, but always works.
+        method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
+        child = multiprocessing.get_context(method).Process(
             target=_run_blocks, args=([BLOCKS[i][1] for i in runnable], out_path)
         )
         child.start()

@@ -4,6 +4,7 @@ tests/distributed/test_integrations_parallel.py). References are float64 PyTorch
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
 
 import pytest
@@ -25,11 +26,22 @@ def _ce64(logits, target, smoothing=0.0):
     return flat.view(target.shape)
 
 
-def test_tp_group_without_megatron_state_is_one_process_and_explicit_groups_win():
-    assert megatron.tensor_parallel_group() is None  # no parallel_state initialized in this process
-    assert megatron.tensor_parallel_group(None) is None
-    sentinel = object()
-    assert megatron.tensor_parallel_group(sentinel) is sentinel
+def test_tp_group_comes_from_megatrons_parallel_state_only_when_initialized(monkeypatch):
+    group = object()
+    state = types.SimpleNamespace(
+        model_parallel_is_initialized=lambda: state.initialized, get_tensor_model_parallel_group=lambda: group
+    )
+    # megatron-core not imported: one process, and no import just to look
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    assert megatron.tensor_parallel_group() is None
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    state.initialized = False
+    assert megatron.tensor_parallel_group() is None
+    state.initialized = True
+    assert megatron.tensor_parallel_group() is group
+    assert megatron.tensor_parallel_group(None) is None  # explicit: one process, whatever Megatron says
+    other = object()
+    assert megatron.tensor_parallel_group(other) is other
 
 
 def test_drop_in_one_process_is_float64_cross_entropy_in_megatrons_layout():

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_utils import _entry
+from dist_utils import _entry, run_ranks
 
 from lmloss.distributed import free_port
 
@@ -173,6 +173,8 @@ def _run_forked_ranks(fn, world_size, *args):
     """`dist_utils.run_ranks`, with forked instead of spawned processes (they inherit the imports).
 
     `_entry` sets one intra-op thread first: a forked child must not enter the parent's OpenMP pool."""
+    if dist.is_initialized():  # a forked copy of this process's live gloo state would crash: spawn
+        return run_ranks(fn, world_size, *args)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True,
