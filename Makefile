@@ -1,11 +1,17 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
 # Where the system Python already has torch (a GPU machine), the venv sees it and keeps it;
 # otherwise the CPU build is installed pinned, never an unpinned torch (that would pull CUDA wheels).
+# Either way every later install is constrained to the torch the venv then has, so no extra's dependency
+# (megatron-core, transformers...) can upgrade it to another (CUDA) build.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-TORCH_PIN := torch==2.13.0
+# The CPU build, from PyTorch's CPU index (PyPI's Linux torch is the CUDA build). Elsewhere (macOS, or an
+# offline mirror) override both, e.g. `make TORCH_PIN=torch==2.13.0 TORCH_INDEX= venv`.
+TORCH_PIN ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CONSTRAINT := $(VENV)/torch-constraint.txt
 
 .PHONY: venv test demo lint bench clean
 
@@ -16,9 +22,11 @@ $(STAMP): pyproject.toml
 	  echo "torch found in $(PYTHON): the venv reuses it"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
-	  $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q $(TORCH_PIN); \
+	  $(PYTHON) -m venv $(VENV) && \
+	  $(PY) -m pip install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \
 	fi
-	$(PY) -m pip install -q -e ".[dev,sft]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_CONSTRAINT)
+	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e ".[dev,sft]"
 	@rm -f $(VENV)/.installed-*; touch $@
 
 test: venv

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton reads TRITON_INTERPRET when it is first imported: set it before any test module can import triton, so
+# the Triton kernels run on the CPU interpreter here (export TRITON_INTERPRET=0 to run them on a GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,15 @@ import sys
 import pytest
 import torch
 
-from lmloss.bench.impls import Case, Impl, build_impls, parse_chunk
+from lmloss.bench.impls import (
+    ENTROPY_COEF,
+    Case,
+    Impl,
+    _as_model_output,
+    build_impls,
+    ce_weight_grad_float64,
+    parse_chunk,
+)
 from lmloss.bench.report import CSV_COLUMNS, format_table, load_json, write_csv, write_json
 from lmloss.bench.runner import SweepConfig, run_case, run_sweep
 
@@ -146,16 +155,48 @@ def test_bf16_impls_pass_the_check_at_bf16_tolerance():
 
 
 def test_results_round_trip_through_json_and_csv(tmp_path):
-    rows = run_sweep(_config(impls={"logits": ["naive", "megatron"], "fused": []}), show_progress=False)
+    # ok rows and a skipped one (Liger needs CUDA): numbers, Nones and notes all make the trip
+    rows = run_sweep(
+        _config(impls={"logits": ["naive", "chunked", "liger"], "fused": []}), show_progress=False
+    )
+    assert {r.status for r in rows} == {"ok", "skipped"}
     write_json(tmp_path / "r.json", rows, {"note": "x"})
     write_csv(tmp_path / "r.csv", rows)
     meta, back = load_json(tmp_path / "r.json")
     assert meta == {"note": "x"} and back == rows
-    megatron = back[-1]
-    assert megatron.impl == "megatron"
-    assert megatron.status in {"ok", "skipped"}
-    if megatron.status == "skipped":
-        assert "megatron" in megatron.note
+    with (tmp_path / "r.csv").open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == [f.name for f in dataclasses.fields(rows[0])]
+        cells = list(reader)
+    assert len(cells) == len(rows)
+    for row, line in zip(rows, cells):
+        for name, value in dataclasses.asdict(row).items():
+            cell = line[name]
+            if name == "times_ms":  # ';'-joined, 3 decimals
+                assert [float(t) for t in cell.split(";") if t] == pytest.approx(value, abs=5e-4), name
+            elif value is None:
+                assert cell == "", name
+            elif isinstance(value, float):
+                assert float(cell) == value, name  # repr round-trips a float exactly
+            elif isinstance(value, int):
+                assert int(cell) == value, name
+            else:
+                assert cell == value, name
+
+
+def test_megatron_peer_runs_and_agrees_with_naive():
+    try:
+        import megatron.core.tensor_parallel  # noqa: F401
+    except Exception as err:  # not installed, or broken at import
+        pytest.skip(f"megatron-core not importable here ({type(err).__name__}: {err})")
+    rows = run_sweep(_config(impls={"logits": ["naive", "megatron"], "fused": []}), show_progress=False)
+    naive, megatron = rows
+    assert megatron.impl == "megatron" and megatron.status == "ok", megatron.note
+    assert megatron.check == "ok" and megatron.loss_err <= 1e-6 and megatron.grad_err <= 1e-5
+    assert megatron.loss == pytest.approx(naive.loss, rel=1e-6)
+    # Megatron keeps the input and one fp32 gradient-sized buffer: no more than naive's four
+    assert megatron.input_mib < megatron.peak_mib <= naive.peak_mib
+    assert megatron.time_ms > 0 and megatron.bytes_moved == 3 * 256 * 1024 * 4
 
 
 @pytest.mark.parametrize(("text", "value"), [("none", None), ("AUTO", "auto"), ("4096", 4096)])
@@ -200,3 +241,187 @@ def test_relative_error_is_max_abs_difference_over_max_abs_reference_and_leaves_
     expected = (got.double() - ref.double()).abs().max() / ref.double().abs().max()
     assert relative_error(got, ref) == pytest.approx(float(expected), rel=1e-2)
     assert torch.equal(ref, ref_before) and torch.equal(got, got_before)
+
+
+# -- optional packages ---------------------------------------------------------------------------------
+
+
+def test_without_tqdm_and_matplotlib_progress_is_plain_lines_and_plots_name_the_extra(
+    tmp_path, monkeypatch, capsys
+):
+    from lmloss.cli import main
+
+    for name in ("tqdm", "tqdm.auto", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # import of <name> halted: as if not installed
+    out = tmp_path / "bench"
+    code = main(["bench", "--workload", "logits", "--impl", "naive,chunked", "--tokens", "32", "--vocab", "64",
+                 "--dtype", "float32", "--chunk", "16", "--repeats", "1", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("lmloss bench: ")]
+    assert progress == [
+        "lmloss bench: 1/2 logits float32 T=32 naive",
+        "lmloss bench: 2/2 logits float32 T=32 chunked[16]",
+    ]
+    assert "no plots: matplotlib is not installed (pip install 'lmloss[bench]' gives them)" in captured.out
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json"]
+
+
+# -- the rows added for the GPU (their CPU paths) --------------------------------------------------------
+
+
+def _by_impl(rows):
+    return {(r.impl, r.chunk, r.kernel): r for r in rows}
+
+
+def test_logits_rows_report_bytes_moved_and_bandwidth():
+    rows = run_sweep(_config(chunks={"logits": [64], "fused": []}), show_progress=False)
+    logits_bytes = 256 * 1024 * 4
+    for r in rows:
+        assert r.bytes_moved == 3 * logits_bytes  # out of place: read (forward), read + write (backward)
+        assert r.bandwidth_gbs == pytest.approx(r.bytes_moved / (r.time_ms * 1e-3) / 1e9)
+    assert {r.label: r.kernel for r in rows} == {"naive": "-", "chunked[64]": "torch"}
+    assert "GB/s" in format_table(rows)
+
+
+def test_entropy_rows_are_checked_against_the_naive_entropy_objective():
+    config = _config(
+        impls={"logits": ["naive", "naive-entropy", "entropy"], "fused": []}, chunks={"logits": [64]}
+    )
+    rows = run_sweep(config, show_progress=False)
+    by = {r.label: r for r in rows}
+    naive, entropy = by["naive-entropy"], by["entropy[64]"]
+    assert naive.check == "ref" and entropy.check == "ok" and entropy.objective == "logprobs+entropy"
+    # the entropy term is really in the loss: written out here, not taken from the bench
+    x = torch.nn.functional.log_softmax(
+        _inputs_of(Case("logits", 256, 1024, "float32", "cpu")).logits.double(), -1
+    )
+    labels = _inputs_of(Case("logits", 256, 1024, "float32", "cpu")).labels
+    expected = x.gather(1, labels[:, None]).sum() - ENTROPY_COEF * (x.exp() * x).sum()
+    assert entropy.loss == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert by["naive"].loss != pytest.approx(entropy.loss, rel=1e-3)
+
+
+def _inputs_of(case):
+    from lmloss.bench.impls import make_inputs
+
+    return make_inputs(case, 0)
+
+
+class _InplaceLogprobSum(torch.autograd.Function):
+    """A stand-in for an in-place loss (the gradient of sum log p written over the logits in the forward)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        logp = torch.log_softmax(logits.detach().float(), -1)
+        value = logp.gather(1, labels[:, None]).sum()
+        grad = -logp.exp()
+        grad.scatter_add_(1, labels[:, None], torch.ones(labels.shape[0], 1))
+        logits.copy_(grad)
+        ctx.mark_dirty(logits)
+        ctx.grad = logits
+        return value, logits
+
+    @staticmethod
+    def backward(ctx, g_value, g_logits):
+        return ctx.grad.mul_(g_value), None
+
+
+def _fake_inplace_step(x):
+    value, _ = _InplaceLogprobSum.apply(x.logits, x.labels)
+    value.backward()
+    return value.detach()
+
+
+def test_in_place_rows_get_a_non_leaf_copy_and_are_checked_with_the_gradient_that_arrived():
+    case = Case("logits", 128, 256, "float32", "cpu")
+    impls = build_impls("logits", "cpu", ["naive"], [])
+    impls.append(Impl("fake-inplace", "-", _fake_inplace_step, prepare=_as_model_output,
+                      grads_of=lambda x: dict(x.sink), traffic=2))  # fmt: skip
+    by = {r.label: r for r in run_case(case, impls, _config())}
+    row = by["fake-inplace"]
+    assert row.status == "ok" and row.check == "ok", row.note
+    assert row.grad_err < 1e-6 and "wrote into its inputs" not in row.note  # the case's inputs stay clean
+    assert row.bytes_moved == 2 * 128 * 256 * 4
+
+
+def test_lmloss_in_place_row_holds_the_logits_and_one_chunk():
+    rows = run_sweep(_config(impls={"logits": ["naive", "inplace"], "fused": []}, chunks={"logits": [64]}),
+                     show_progress=False)  # fmt: skip
+    row = rows[-1]
+    assert row.status == "ok" and row.check == "ok", row.note
+    # logits fp32 [256, 1024] = 1 MiB; one fp32 chunk of 64 rows = 1/4 MiB, plus O(T) vectors
+    assert row.peak_mib <= row.input_mib + 0.25 + 0.05
+    assert row.bytes_moved == 2 * 256 * 1024 * 4
+
+
+def test_fused_rows_rl_objective_and_weight_gradient_error_against_float64():
+    config = _config(
+        workloads=["fused"], dtypes={"logits": [], "fused": ["float32", "bfloat16"]},
+        impls={"logits": [], "fused": ["naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "liger", "matmul-floor"]},
+    )  # fmt: skip
+    rows = run_sweep(config, show_progress=False)
+    for dtype in ("float32", "bfloat16"):
+        by = _by_impl(r for r in rows if r.dtype == dtype)
+        naive, fused = by[("naive", "-", "-")], by[("fused", "auto", "torch")]
+        rl = by[("fused-rl", "auto", "torch")]
+        assert fused.check == "ok" and rl.check == "ok" and rl.objective == "rl", (fused.note, rl.note)
+        assert by[("naive-rl", "-", "-")].check == "ref"
+        assert by[("liger", "-", "-")].status == "skipped" and "CUDA" in by[("liger", "-", "-")].note
+        assert rl.wgrad_err is None and by[("matmul-floor", "-", "-")].wgrad_err is None  # ce rows only
+        rounded = float(naive.note.rsplit(" ", 1)[1])  # the float64 gradient rounded once to the dtype
+        if dtype == "float32":
+            assert fused.wgrad_err < 1e-5 and rounded < 1e-7
+        else:  # the fp32 accumulator adds little to rounding the exact gradient once to bf16
+            assert 0.9 * rounded < fused.wgrad_err < 1.5 * rounded
+        lowacc = by[("fused-lowacc", "auto", "torch")]
+        assert lowacc.check == "ok" and lowacc.wgrad_err >= fused.wgrad_err * 0.99
+    assert "wgrad err" in format_table(rows)
+
+
+def test_float64_weight_gradient_reference_matches_autograd_in_float64():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 8, generator=g), torch.randn(50, 8, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    w64 = weight.double().requires_grad_()
+    torch.nn.functional.cross_entropy(hidden.double() @ w64.T, labels).backward()
+    rows = torch.tensor([0, 3, 17, 49])
+    got = ce_weight_grad_float64(hidden, weight, labels, rows, block=16)  # several vocabulary blocks
+    torch.testing.assert_close(got, w64.grad[rows], rtol=1e-12, atol=1e-15)
+
+
+def test_device_defaults_cpu_as_before_cuda_the_gpu_shapes():
+    import argparse
+
+    from lmloss.bench.cli import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    cpu = config_from_args(parser.parse_args(["bench"]))
+    assert (cpu.tokens, cpu.vocab, cpu.hidden, cpu.kernels) == (
+        {"logits": [2048, 4096], "fused": [2048]},
+        [32000],
+        [256],
+        ["torch"],
+    )
+    assert cpu.impls["logits"] == ["naive", "chunked", "megatron"]
+    cuda = config_from_args(parser.parse_args(["bench", "--device", "cuda"]))
+    assert cuda.tokens == {"logits": [32768], "fused": [8192, 16384]}
+    assert (cuda.vocab, cuda.hidden, cuda.kernels) == ([128256], [4096], ["triton", "torch"])
+    assert cuda.dtypes == {"logits": ["bfloat16"], "fused": ["bfloat16"]}
+    assert "compile" in cuda.impls["logits"] and "cce" in cuda.impls["fused"]
+    picked = config_from_args(
+        parser.parse_args(["bench", "--device", "cuda", "--impl", "naive,fused", "--kernel", "torch"])
+    )
+    assert picked.impls == {"logits": ["naive"], "fused": ["naive", "fused"]} and picked.kernels == ["torch"]
+
+
+def test_triton_rows_on_cpu_are_skipped_with_the_reason_and_torch_rows_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    impls = build_impls("logits", "cpu", ["chunked"], [64], ["triton", "torch"])
+    assert [(i.label, i.kernel) for i in impls] == [
+        ("chunked[64]/triton", "triton"),
+        ("chunked[64]", "torch"),
+    ]
+    assert impls[0].step is None and ("impl=" in impls[0].unavailable or "CUDA" in impls[0].unavailable)
+    assert impls[1].step is not None

@@ -601,3 +601,45 @@ def test_bad_loss_options_raise(kw, exc):
     _, base = _bad_inputs()
     with pytest.raises(exc):
         lmloss.linear_cross_entropy(base["hidden"], base["weight"], base["labels"], **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weight-gradient accumulation precision (the field's recurring complaint: bf16 accumulators drift with
+# the number of chunks)
+
+
+def _bf16_weight_grad_errors(chunk_sizes, weight_grad_dtype):
+    """Relative-norm error of d weight (bf16 inputs) against float64, and of rounding float64's once."""
+    g = _gen(7)
+    n, h, v = 512, 32, 1024
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.05).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    w64 = weight.double().requires_grad_()
+    torch.nn.functional.cross_entropy(hidden.double() @ w64.T, labels, reduction="sum").backward()
+    exact = w64.grad
+
+    def rel(t):
+        return ((t.double() - exact).norm() / exact.norm()).item()
+
+    errors = []
+    for chunk in chunk_sizes:
+        w = weight.clone().requires_grad_()
+        lmloss.linear_cross_entropy(
+            hidden, w, labels, reduction="sum", chunk_size=chunk, weight_grad_dtype=weight_grad_dtype
+        ).backward()
+        errors.append(rel(w.grad))
+    return errors, rel(exact.bfloat16())
+
+
+def test_fp32_weight_grad_accumulator_adds_no_error_beyond_one_bf16_rounding():
+    errors, once = _bf16_weight_grad_errors([512, 64, 8], torch.float32)
+    for err in errors:  # 1, 8 and 64 chunks
+        assert err <= 1.05 * once, (errors, once)
+
+
+def test_bf16_weight_grad_accumulator_error_grows_with_the_number_of_chunks():
+    # with a bf16 accumulator the d-logits are bf16 too (rounded once more than the fp32 path's)
+    errors, once = _bf16_weight_grad_errors([512, 64, 8], torch.bfloat16)
+    assert once < errors[0] < errors[1] < errors[2], (errors, once)  # 1, 8, 64 chunks: drift
+    assert errors[2] > 2 * once

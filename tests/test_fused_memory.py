@@ -63,19 +63,34 @@ def _torch_chunked(h, w, b, labels):
     return F.linear_cross_entropy(h, w, labels, options=torch.nn.LinearCrossEntropyOptions())
 
 
+#: Why the comparison with PyTorch's own fused op cannot run here, or None (it arrived in torch 2.13).
+TORCH_FUSED_MISSING = (
+    None
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+    else f"torch {torch.__version__} has no F.linear_cross_entropy: the comparison with it is skipped "
+    "(lmloss against naive was checked)"
+)
+
+
 def _compare_with_naive_and_torch(n, h, v):
+    """Peaks above inputs + grads: naive, torch's fused op (None where torch lacks it), lmloss.
+
+    lmloss against naive is asserted first; the caller skips the torch comparison where torch lacks the op.
+    """
     hidden, weight, _, labels = _inputs(n, h, v)
     naive, _ = _peak_above_grads(lambda x, w, b: _naive(x, w, b, labels), hidden, weight)
-    chunked, _ = _peak_above_grads(lambda x, w, b: _torch_chunked(x, w, b, labels), hidden, weight)
     ours, mem = _peak_above_grads(
         lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels), hidden, weight, record=True
     )
+    assert ours <= naive / 10, f"naive {naive / MiB:.1f} MiB, lmloss {ours / MiB:.1f} MiB"
+    assert all(a.shape != (n, v) for a in mem.allocations)
+    if TORCH_FUSED_MISSING:
+        return naive, None, ours
+    chunked, _ = _peak_above_grads(lambda x, w, b: _torch_chunked(x, w, b, labels), hidden, weight)
     figures = f"naive {naive / MiB:.1f} MiB, torch {chunked / MiB:.1f} MiB, lmloss {ours / MiB:.1f} MiB"
     # torch's op really chunks here (else the comparison would be against a second naive path)
     assert chunked <= naive / 10, figures
-    assert ours <= naive / 10, figures
     assert ours <= chunked, figures
-    assert all(a.shape != (n, v) for a in mem.allocations), figures
     return naive, chunked, ours
 
 
@@ -85,8 +100,10 @@ def test_fused_cross_entropy_beats_naive_tenfold_and_torch_chunked_at_the_stated
     naive, chunked, ours = _compare_with_naive_and_torch(2048, 64, 8000)
     # each figure is 1/16 of the stated one (2961 / 39.3 / 31.3 MiB), to within a few per cent
     assert naive / MiB == pytest.approx(2961 / 16, rel=0.05)
-    assert chunked / MiB == pytest.approx(39.3 / 16, rel=0.05)
     assert ours / MiB == pytest.approx(31.3 / 16, rel=0.05)
+    if chunked is None:
+        pytest.skip(TORCH_FUSED_MISSING)
+    assert chunked / MiB == pytest.approx(39.3 / 16, rel=0.05)
 
 
 @pytest.mark.skipif(
@@ -97,6 +114,8 @@ def test_fused_cross_entropy_stated_figures_at_8192_by_256_by_32000(monkeypatch)
     monkeypatch.delenv("LMLOSS_CHUNK_BUDGET_MIB", raising=False)
     naive, chunked, ours = _compare_with_naive_and_torch(8192, 256, 32000)
     assert ours / MiB <= 31.5
+    if chunked is None:
+        pytest.skip(TORCH_FUSED_MISSING)
 
 
 # ----------------------------------------------------------------------------------------------------------

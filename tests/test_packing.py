@@ -1,4 +1,7 @@
-"""pack / shift_labels: labels are the next token of the same sequence, never across a boundary."""
+"""pack / shift_labels: labels are the next token of the same sequence, never across a boundary.
+
+Boundary names follow Transformer Engine / Megatron-core: ``cu_seqlens`` real lengths, ``cu_seqlens_padded``
+the padded buffer layout."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmloss.packing import pack, sequence_ids, shift_labels, token_mask
+from lmloss.packing import PackedBatch, pack, sequence_ids, shift_labels, token_mask
 
 IGNORE = -100
 
@@ -33,8 +36,8 @@ def test_labels_are_next_tokens_within_each_sequence_under_the_target_mask():
     assert batch.labels.tolist() == [2, 3, IGNORE, IGNORE, IGNORE, 7, 8, 9, IGNORE]
     assert batch.loss_mask.tolist() == [lb != IGNORE for lb in batch.labels.tolist()]
     assert batch.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
-    assert batch.cu_seqlens.tolist() == batch.cu_seqlens_unpadded.tolist() == [0, 3, 4, 9]
-    assert batch.cu_seqlens.dtype == batch.cu_seqlens_unpadded.dtype == torch.int32
+    assert batch.cu_seqlens.tolist() == batch.cu_seqlens_padded.tolist() == [0, 3, 4, 9]  # no padding
+    assert batch.cu_seqlens.dtype == batch.cu_seqlens_padded.dtype == torch.int32
     assert batch.max_seqlen == 5 and batch.num_sequences == 3
 
 
@@ -55,10 +58,11 @@ def test_padding_makes_every_sequence_a_multiple_and_is_never_a_target():
     batch = pack([[1, 2, 3], [4, 5, 6, 7, 8]], pad_to_multiple_of=4, pad_id=99)
     assert batch.input_ids.tolist() == [1, 2, 3, 99, 4, 5, 6, 7, 8, 99, 99, 99]
     assert batch.labels.tolist() == [2, 3, IGNORE, IGNORE, 5, 6, 7, 8, IGNORE, IGNORE, IGNORE, IGNORE]
-    assert batch.cu_seqlens.tolist() == [0, 4, 12]
-    assert batch.cu_seqlens_unpadded.tolist() == [0, 3, 8]
+    assert batch.cu_seqlens.tolist() == [0, 3, 8]  # real lengths 3 and 5 (TE's cu_seqlens_q)
+    assert batch.cu_seqlens_padded.tolist() == [0, 4, 12]  # the buffer layout (TE's cu_seqlens_q_padded)
     assert batch.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
-    assert batch.max_seqlen == 8
+    assert batch.max_seqlen == 8  # the longest padded slot
+    assert batch.num_sequences == 2
     assert batch.token_mask().tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 3
     assert batch.sequence_ids().tolist() == [0] * 4 + [1] * 8
 
@@ -76,14 +80,17 @@ def test_shift_labels_on_a_packed_buffer_matches_pack():
     assert labels.tolist() == batch.labels.tolist() == reference_labels(seqs, masks, 1)
 
 
-def test_shift_labels_with_unpadded_boundaries_ignores_padding_targets():
+def test_shift_labels_with_padded_boundaries_ignores_padding_targets():
     ids = torch.tensor([1, 2, 0, 0, 3, 4, 5, 0])
-    cu, cu_real = torch.tensor([0, 4, 8]), torch.tensor([0, 2, 5])
-    assert shift_labels(ids, cu).tolist() == [2, 0, 0, IGNORE, 4, 5, 0, IGNORE]  # padding looks real
-    assert (
-        shift_labels(ids, cu, cu_seqlens_unpadded=cu_real).tolist()
-        == [2, IGNORE, IGNORE, IGNORE, 4, 5] + [IGNORE] * 2
-    )
+    cu_padded, cu_real = torch.tensor([0, 4, 8]), torch.tensor([0, 2, 5])
+    # the padded boundaries alone: a buffer without padding, so the padding looks real
+    assert shift_labels(ids, cu_padded).tolist() == [2, 0, 0, IGNORE, 4, 5, 0, IGNORE]
+    expected = [2, IGNORE, IGNORE, IGNORE, 4, 5] + [IGNORE] * 2
+    assert shift_labels(ids, cu_real, cu_seqlens_padded=cu_padded).tolist() == expected
+    # Megatron keeps its boundaries as [1, B + 1]
+    assert shift_labels(ids, cu_real[None], cu_seqlens_padded=cu_padded[None]).tolist() == expected
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5 but the packed buffer has 8"):
+        shift_labels(ids, cu_real)  # the real boundaries of a padded buffer, without the layout
 
 
 def test_shift_labels_uses_the_given_ignore_index():
@@ -106,8 +113,9 @@ def test_pack_matches_the_sequence_by_sequence_reference(data, pad_to):
     assert batch.labels.tolist() == reference_labels(seqs, masks, pad_to)
     assert batch.loss_mask.tolist() == [lb != IGNORE for lb in batch.labels.tolist()]
     lengths = [-(-len(s) // pad_to) * pad_to for s in seqs]
-    assert (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist() == lengths
-    assert (batch.cu_seqlens_unpadded[1:] - batch.cu_seqlens_unpadded[:-1]).tolist() == [len(s) for s in seqs]
+    assert (batch.cu_seqlens_padded[1:] - batch.cu_seqlens_padded[:-1]).tolist() == lengths
+    assert (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist() == [len(s) for s in seqs]
+    assert batch.max_seqlen == max(lengths)
     assert batch.position_ids.tolist() == [j for n in lengths for j in range(n)]
     # no label crosses a boundary: a label at position i is the token at i + 1 in the same sequence
     seq = batch.sequence_ids()
@@ -140,6 +148,18 @@ def test_pack_rejects_bad_input_with_a_clear_message(args, kwargs, error, match)
         (torch.tensor([1, 2, 3]), torch.tensor([1, 3]), None, "must start with 0"),
         (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]), None, "non-decreasing; sequence 1"),
         (torch.tensor([[1, 2]]), torch.tensor([0, 2]), None, "must be 1-D"),
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([[0, 2], [0, 2]]),
+            None,
+            r"cu_seqlens must be \[B \+ 1\] or \[1, B \+ 1\]",
+        ),
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([[[0, 2]]]),
+            None,
+            r"cu_seqlens must be .* got shape \(1, 1, 2\)",
+        ),
         (torch.tensor([1, 2, 3]), torch.tensor([0, 3]), torch.tensor([1, 1]), "loss_mask has shape"),
     ],
 )
@@ -148,13 +168,39 @@ def test_shift_labels_rejects_inconsistent_buffers(ids, cu, mask, match):
         shift_labels(ids, cu, mask)
 
 
-def test_token_mask_rejects_more_real_tokens_than_positions():
-    with pytest.raises(ValueError, match="sequence 0 has 5 real tokens but only 4"):
-        token_mask(torch.tensor([0, 4]), torch.tensor([0, 5]))
+def test_token_mask_is_true_at_each_slots_real_prefix():
+    real, padded = torch.tensor([0, 3, 3, 5]), torch.tensor([0, 4, 4, 8])  # an empty slot in the middle
+    expected = [True, True, True, False] + [True, True, False, False]
+    assert token_mask(real, padded).tolist() == expected
+    assert token_mask(real[None], padded[None]).tolist() == expected
+
+
+def test_token_mask_rejects_swapped_boundaries():
+    # the old argument order (padded first) has more "real" tokens than positions
+    with pytest.raises(ValueError, match="sequence 0 has 5 real tokens in cu_seqlens but only 4 positions"):
+        token_mask(torch.tensor([0, 5]), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens has 2 sequences but cu_seqlens_padded has 1"):
+        token_mask(torch.tensor([0, 1, 2]), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be \[B \+ 1\] or \[1, B \+ 1\]"):
+        token_mask(torch.tensor([0, 1]), torch.tensor([[0, 4], [0, 4]]))
 
 
 def test_sequence_ids_cover_zero_length_slots_without_positions():
     assert sequence_ids(torch.tensor([0, 2, 2, 3], dtype=torch.int32)).tolist() == [0, 0, 2]
+    assert sequence_ids(torch.tensor([[0, 2, 2, 3]], dtype=torch.int32)).tolist() == [0, 0, 2]
+
+
+def test_the_old_boundary_keyword_is_a_type_error():
+    batch = pack([[1, 2, 3]], pad_to_multiple_of=4)
+    fields = batch.to_dict()
+    fields["cu_seqlens_unpadded"] = fields.pop("cu_seqlens")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cu_seqlens_unpadded'"):
+        PackedBatch(**fields)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cu_seqlens_unpadded'"):
+        shift_labels(batch.input_ids, batch.cu_seqlens_padded, cu_seqlens_unpadded=batch.cu_seqlens)
+    # keyword-only: a positional construction in the old field order cannot silently swap the boundaries
+    with pytest.raises(TypeError, match="positional"):
+        PackedBatch(*batch.to_dict().values())
 
 
 def test_to_dict_names_every_field():
@@ -165,7 +211,7 @@ def test_to_dict_names_every_field():
         "labels",
         "position_ids",
         "cu_seqlens",
-        "cu_seqlens_unpadded",
+        "cu_seqlens_padded",
         "max_seqlen",
         "loss_mask",
     }

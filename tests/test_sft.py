@@ -40,13 +40,19 @@ def tokenizer_file(tmp_path_factory) -> str:
 
 
 def _config(out: Path, tokenizer: str, **kw) -> SFTConfig:
+    # device cpu: these runs are compared bit for bit (resume) or at rtol 1e-5 (naive vs fused head), which
+    # CPU kernels guarantee and CUDA's atomics (embedding backward) need not; CUDA has its own test below
     base = dict(out=str(out), tokenizer=tokenizer, tokens_per_batch=256, steps=4, warmup_steps=2,
-                head_memory=False, track_memory=False, progress=False)  # fmt: skip
+                head_memory=False, track_memory=False, progress=False, device="cpu")  # fmt: skip
     return SFTConfig(**{**base, **kw})
 
 
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in _metrics(out)]
 
 
 # -- data and tokenizer ------------------------------------------------------------------------------
@@ -122,8 +128,11 @@ def test_packed_attention_matches_each_sequence_run_alone(tokenizer_file):
 def test_embedded_demo_learns_and_writes_its_outputs(tmp_path, tokenizer_file, capsys):
     # the demo's data and model, fewer steps: the response-token loss starts near ln(512) = 6.2
     out = tmp_path / "demo"
+    # --device cpu: the head-memory comparison below is the CPU's. On CUDA the auto chunk's budget is 2 GiB,
+    # so at 512 tokens one chunk holds them all and fused and naive peaks come out equal.
     code = cli.standalone(["--out", str(out), "--tokenizer", tokenizer_file, "--steps", "30", "--no-progress",
-                           "--head-memory-vocab", "8192", "--log-every", "10", "--no-track-memory"])  # fmt: skip
+                           "--head-memory-vocab", "8192", "--log-every", "10", "--no-track-memory",
+                           "--device", "cpu"])  # fmt: skip
     assert code == 0
     losses = _losses(out)
     assert len(losses) == 30 and losses[0] > 5.5
@@ -136,14 +145,19 @@ def test_embedded_demo_learns_and_writes_its_outputs(tmp_path, tokenizer_file, c
 
 
 def test_resume_continues_exactly_like_the_uninterrupted_run(tmp_path, tokenizer_file):
-    out = tmp_path / "run"
-    run(_config(out, tokenizer_file, steps=4, save_every=2))
-    uninterrupted = _losses(out)
-    assert (out / "checkpoints" / "step_2" / "tp0.pt").is_file()
-    run(_config(out, tokenizer_file, steps=4, resume=str(out / "checkpoints" / "step_2")))
-    resumed = _losses(out)
-    assert resumed[:2] == uninterrupted[:2]  # kept from the first run
-    assert resumed[2:] == uninterrupted[2:]  # steps 3 and 4 recomputed after the resume: bit for bit
+    full = tmp_path / "full"
+    run(_config(full, tokenizer_file, steps=4, save_every=2))
+    uninterrupted = _metrics(full)
+    checkpoint = full / "checkpoints" / "step_2"
+    assert (checkpoint / "tp0.pt").is_file()
+    # resumed into another directory, so its metrics log holds only what the resumed run computed
+    resumed_out = tmp_path / "resumed"
+    run(_config(resumed_out, tokenizer_file, steps=4, resume=str(checkpoint)))
+    resumed = _metrics(resumed_out)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "grad_norm", "lr", "n_tokens"):  # bit for bit: same data, same state, same kernels
+        assert [r[key] for r in resumed] == [r[key] for r in uninterrupted[2:]], key
+    assert resumed[0]["loss"] != uninterrupted[1]["loss"]  # the comparison is of different steps' numbers
 
 
 def test_naive_head_trains_like_the_fused_head(tmp_path, tokenizer_file):
@@ -162,6 +176,70 @@ def test_config_yaml_with_command_line_override(tmp_path):
     cfg = cli.config_from_args(parser.parse_args(["--config", str(path), "--steps", "9"]))
     assert (cfg.steps, cfg.cp, cfg.tokens_per_batch) == (9, 2, 128)
     assert cfg.memory_profile == {"profile_steps": [0, 3]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_device_trains_on_cuda_and_starts_where_the_cpu_run_starts(tmp_path, tokenizer_file):
+    # step 1's loss is a forward before any update: CUDA and CPU agree up to summation order
+    cpu = run(_config(tmp_path / "cpu", tokenizer_file, steps=2))
+    cuda = run(_config(tmp_path / "cuda", tokenizer_file, steps=2, device="auto"))
+    assert cuda["layout"] == cpu["layout"]
+    torch.testing.assert_close(cuda["losses"][0], cpu["losses"][0], rtol=1e-4, atol=0)
+    assert all(torch.isfinite(torch.tensor(cuda["losses"])))
+
+
+# -- device choice -----------------------------------------------------------------------------------
+
+
+def _gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nproc", "device"), [(0, 1, "cpu"), (0, 4, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (8, 4, "cuda")]
+)
+def test_auto_takes_cuda_only_when_every_local_process_gets_its_own_gpu(monkeypatch, gpus, nproc, device):
+    from lmloss.sft.parallel import resolve_device
+
+    _gpus(monkeypatch, gpus)
+    chosen, note = resolve_device("auto", nproc)
+    assert chosen == device
+    if gpus and device == "cpu":  # CUDA is there but not used: the user is told why, in one line
+        assert f"{nproc} processes on this node but {gpus} CUDA device(s)" in note and "\n" not in note
+    else:
+        assert note is None
+    assert resolve_device("cpu", nproc) == ("cpu", None)
+
+
+def test_explicit_cuda_without_a_gpu_per_process_stops_naming_device_and_nproc(tmp_path, monkeypatch, capsys):
+    _gpus(monkeypatch, 1)
+    err = _cli_error(capsys, "--nproc", "2", "--cp", "2", "--device", "cuda", "--out", str(tmp_path))
+    assert "--device cuda needs one GPU per process: 2 processes on this node" in err
+    assert "--nproc" in err and "--device cpu" in err
+    _gpus(monkeypatch, 0)
+    err = _cli_error(capsys, "--device", "cuda", "--out", str(tmp_path))
+    assert "CUDA is not available" in err
+    err = _cli_error(capsys, "--device", "tpu", "--out", str(tmp_path))
+    assert "device must be auto, cpu or cuda, got 'tpu'" in err
+
+
+def test_demo_layout_on_a_one_gpu_machine_runs_on_cpu_and_says_so(
+    tmp_path, tokenizer_file, monkeypatch, capsys
+):
+    # `make demo` (--nproc 2 --cp 2, device auto) where one GPU is visible: the launcher picks cpu/gloo
+    # before spawning anything. The spawn itself is replaced: the device it is handed is what is checked.
+    from lmloss.sft import launch
+
+    _gpus(monkeypatch, 1)
+    launched = {}
+    monkeypatch.setattr(
+        launch, "spawn", lambda nproc, device, fn, cfg: launched.update(nproc=nproc, device=device)
+    )
+    with pytest.raises(FileNotFoundError):  # no summary: nothing ran
+        run(_config(tmp_path, tokenizer_file, cp=2, nproc=2, device="auto"))
+    assert launched == {"nproc": 2, "device": "cpu"}
+    assert "so the run is on CPU with gloo" in capsys.readouterr().out
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -1,73 +1,142 @@
-"""Argument checks shared by every op: one place for each error message."""
+"""Argument checks shared by every op: one place for each error message.
+
+Every check here is local (no collective): they all run before the plan's one rank-agreement gather,
+so a bad argument raises on the rank that has it before any rank enters a collective.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 REDUCTIONS = ("mean", "sum", "none")
+#: 1 / temperature must stay far from fp32 overflow (scaled logits of 1e4 at T = 1e-6 are 1e10).
+MIN_TEMPERATURE = 1e-6
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check_floating(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be floating point (fp32, bf16 or fp16), got {t.dtype}")
+        raise TypeError(f"{name} must be floating point (fp32, bf16, fp16 or fp64), got {t.dtype}")
     return t
 
 
-def check_labels(labels: object, expected_shape: torch.Size, *, against: str) -> torch.Tensor:
-    """`labels` must be an integer tensor shaped like `against`'s leading dimensions."""
+def check_labels(
+    labels: object, expected_shape: torch.Size, device: torch.device, *, against: str
+) -> torch.Tensor:
+    """`labels` must be an integer tensor shaped like `against`'s leading dimensions, on its device.
+
+    Returns them as int64 (int8 / uint8 / int16 / int32 labels are widened once).
+    """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor (int64 global vocabulary ids), got {labels.dtype}")
+        raise TypeError(f"labels must be an integer tensor (global vocabulary ids), got {labels.dtype}")
     if labels.shape != expected_shape:
         raise ValueError(
             f"labels shape {tuple(labels.shape)} does not match {against} leading shape {tuple(expected_shape)}"
         )
-    return labels
+    if labels.device != device:
+        raise ValueError(
+            f"labels are on {labels.device} but {against} is on {device}: put them on one device"
+        )
+    return labels if labels.dtype == torch.int64 else labels.long()
 
 
-def check_chunk_size(chunk_size: object, *, allow_auto: bool = False) -> None:
-    if chunk_size is None or (allow_auto and chunk_size == "auto"):
+def check_chunk_size(chunk_size: object) -> None:
+    if chunk_size is None or chunk_size == "auto":
         return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        allowed = "a positive int, None" + (' or "auto"' if allow_auto else "")
-        raise TypeError(f"chunk_size must be {allowed}, got {chunk_size!r}")
+    if not _is_int(chunk_size):
+        raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive (or None for unchunked), got {chunk_size}")
 
 
-def check_temperature(temperature: float) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+def check_temperature(temperature: object) -> None:
+    if not _is_real(temperature):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if not MIN_TEMPERATURE <= temperature < math.inf:
+        raise ValueError(f"temperature must be finite and >= {MIN_TEMPERATURE:g}, got {temperature}")
 
 
-def check_reduction(reduction: str) -> None:
+def check_softcap(softcap: object) -> None:
+    if softcap is None:
+        return
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be finite and > 0 (or None for no capping), got {softcap}")
+
+
+def check_ignore_index(ignore_index: object) -> None:
+    if not _is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+
+
+def check_vocab_size(vocab_size: object) -> None:
+    if vocab_size is None:
+        return
+    if not _is_int(vocab_size):
+        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+
+
+def check_vocab_start(vocab_start: object) -> None:
+    if vocab_start is not None and not _is_int(vocab_start):
+        raise TypeError(f"vocab_start must be an int or None, got {vocab_start!r}")
+    if vocab_start is not None and vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+
+
+def check_reduction(reduction: object) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def check_label_smoothing(label_smoothing: float) -> None:
+def check_label_smoothing(label_smoothing: object) -> None:
+    if not _is_real(label_smoothing):
+        raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
-def check_z_loss(z_loss: float) -> None:
-    if not z_loss >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+def check_z_loss(z_loss: object) -> None:
+    if not _is_real(z_loss):
+        raise TypeError(f"z_loss must be a float, got {type(z_loss).__name__}")
+    if not 0.0 <= z_loss < math.inf:
+        raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
+
+
+def label_bounds(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[2]`` int64 on the labels' device: min and max of the non-ignored labels (0, 0 if none).
+
+    Gathered with the TP ranks' metadata, so the range check needs no host sync of its own.
+    """
+    if labels.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=labels.device)
+    kept = torch.where(labels != ignore_index, labels, 0)
+    return torch.stack([kept.min(), kept.max()])
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Every label is `ignore_index` or in ``[0, vocab_size)``.
+    """Every label is `ignore_index` or in ``[0, vocab_size)`` (one process).
 
-    On CPU this raises ValueError with an example; on CUDA it is a device-side assert, so the check
-    never synchronises the stream.
+    Eager on CPU: ValueError with an example. On CUDA, and inside a compiled region on any device, a
+    device-side assert, so the check never synchronises the stream or breaks the graph.
     """
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
-    if labels.device.type == "cpu":
+    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad.any()):
             example = int(labels[bad][0])
             raise ValueError(

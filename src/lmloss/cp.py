@@ -1,7 +1,10 @@
 """Context parallelism over packed sequences: which positions each CP rank holds, split and gather.
 
-Every sequence of a packed buffer (boundaries ``cu_seqlens``, see `lmloss.packing`) is spread over the
-``cp_size`` ranks of the CP group, so each rank holds ``T / cp_size`` positions.
+Every sequence of a packed buffer is spread over the ``cp_size`` ranks of the CP group, so each rank holds
+``T / cp_size`` positions. The layout follows the *padded* boundaries ``cu_seqlens_padded`` (the buffer
+layout, Transformer Engine's ``cu_seqlens_q_padded``; see `lmloss.packing`), which every function here
+takes; for a buffer without padding pass ``cu_seqlens``, they are equal. ``[1, B + 1]`` boundaries (as in
+Megatron's batches) are accepted everywhere.
 
 * ``"zigzag"`` (load-balanced for causal attention): each sequence is cut into ``2 * cp_size`` equal chunks
   and rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``, in that order, sequence after sequence.
@@ -25,13 +28,16 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from lmloss.packing import PackedBatch, check_cu_seqlens, sequence_ids, token_mask
+from lmloss.packing import PackedBatch, as_cu_seqlens, check_cu_seqlens, sequence_ids, token_mask
 from lmloss.vocab_parallel import reduce_scatter_rows
 
 ProcessGroup = dist.ProcessGroup
 
 LAYOUTS = ("zigzag", "contiguous")
-PER_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_mask")
+# keys that hold one value per position (lmloss's names, then Megatron's): such a tensor must have T positions
+PER_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "loss_mask", "tokens", "attention_mask")
+# keys that describe the full sequences and pass through a split unchanged
+METADATA_PREFIXES = ("cu_seqlens", "max_seqlen")
 
 __all__ = ["LAYOUTS", "gather", "partition_index", "split", "split_batch"]
 
@@ -52,17 +58,18 @@ def _check_cp(cp_size: int, cp_rank: int) -> None:
 
 
 def partition_index(
-    cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, layout: str = "zigzag"
+    cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, layout: str = "zigzag"
 ) -> torch.Tensor:
     """Positions of the packed buffer that CP rank `cp_rank` holds, in its local order.
 
     Args:
-        cu_seqlens: integer ``[B + 1]``, the buffer's (padded) sequence boundaries, starting with 0.
+        cu_seqlens_padded: integer ``[B + 1]`` or ``[1, B + 1]``, the buffer's padded sequence boundaries
+            (the buffer layout), starting with 0 and ending at ``T``.
         cp_size, cp_rank: size of the CP group and this rank's index in it.
         layout: ``"zigzag"`` or ``"contiguous"`` (see the module docstring).
 
     Returns:
-        int64 ``[T / cp_size]`` on `cu_seqlens`' device: ``local = full[index]``.
+        int64 ``[T / cp_size]`` on `cu_seqlens_padded`' device: ``local = full[index]``.
 
     Raises:
         ValueError: a sequence length not divisible by ``2 * cp_size`` (zigzag) or ``cp_size``
@@ -70,8 +77,9 @@ def partition_index(
     """
     _check_layout(layout)
     _check_cp(cp_size, cp_rank)
-    bounds = check_cu_seqlens(cu_seqlens)
-    device = cu_seqlens.device
+    bounds = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    cu = as_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    device = cu.device
     if cp_size == 1:
         return torch.arange(bounds[-1], device=device)
     pieces = 2 * cp_size if layout == "zigzag" else cp_size
@@ -81,8 +89,8 @@ def partition_index(
                 f"sequence {b} has length {e - s}, not divisible by {pieces} "
                 f"({layout} layout over cp_size={cp_size}); pad it, e.g. pack(..., pad_to_multiple_of={pieces})"
             )
-    starts = cu_seqlens[:-1].long()
-    chunk = (cu_seqlens[1:] - cu_seqlens[:-1]).long() // pieces  # per sequence
+    starts = cu[:-1].long()
+    chunk = (cu[1:] - cu[:-1]).long() // pieces  # per sequence
     local_len = chunk * (pieces // cp_size)
     seq = torch.repeat_interleave(torch.arange(starts.numel(), device=device), local_len)
     local_start = torch.cumsum(local_len, 0) - local_len
@@ -97,7 +105,7 @@ def partition_index(
 
 def split(
     tensor: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
     cp_size: int,
     cp_rank: int,
     *,
@@ -106,16 +114,16 @@ def split(
 ) -> torch.Tensor:
     """This CP rank's positions of a full packed tensor: ``tensor.index_select(dim, partition_index(...))``.
 
-    `tensor` has ``T = cu_seqlens[-1]`` positions along `dim` (any dtype, any other dims); the result has
-    ``T / cp_size`` there. Differentiable (the gradient is scattered back, zero elsewhere).
+    `tensor` has ``T = cu_seqlens_padded[-1]`` positions along `dim` (any dtype, any other dims); the
+    result has ``T / cp_size`` there. Differentiable (the gradient is scattered back, zero elsewhere).
     """
     dim = dim % max(tensor.dim(), 1)
-    if tensor.shape[dim] != check_cu_seqlens(cu_seqlens)[-1]:
+    total = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")[-1]
+    if tensor.shape[dim] != total:
         raise ValueError(
-            f"tensor has {tensor.shape[dim]} positions along dim {dim} but cu_seqlens covers "
-            f"{int(cu_seqlens[-1])}"
+            f"tensor has {tensor.shape[dim]} positions along dim {dim} but cu_seqlens_padded covers {total}"
         )
-    index = partition_index(cu_seqlens, cp_size, cp_rank, layout).to(tensor.device)
+    index = partition_index(cu_seqlens_padded, cp_size, cp_rank, layout).to(tensor.device)
     return tensor.index_select(dim, index)
 
 
@@ -129,13 +137,13 @@ class _GatherCP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local, cu_seqlens, group, dim, layout, sum_grads):
+    def forward(ctx, local, cu_seqlens_padded, group, dim, layout, sum_grads):
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         moved = local.movedim(dim, 0).contiguous()
         parts = [torch.empty_like(moved) for _ in range(cp_size)]
         dist.all_gather(parts, moved, group=group)
         # rank-major order of positions: rank r's positions form the r-th block of rows
-        order = torch.cat([partition_index(cu_seqlens, cp_size, r, layout) for r in range(cp_size)])
+        order = torch.cat([partition_index(cu_seqlens_padded, cp_size, r, layout) for r in range(cp_size)])
         order = order.to(moved.device)
         full = moved.new_empty((moved.shape[0] * cp_size, *moved.shape[1:]))
         full[order] = torch.cat(parts)
@@ -155,7 +163,7 @@ class _GatherCP(torch.autograd.Function):
 
 def gather(
     local: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
     group: ProcessGroup | None,
     *,
     dim: int = 0,
@@ -166,7 +174,8 @@ def gather(
 
     Args:
         local: this rank's ``T / cp_size`` positions along `dim`, as `split` returned them (any dtype).
-        cu_seqlens: the full buffer's boundaries (the same on every rank).
+        cu_seqlens_padded: the full buffer's padded boundaries (the layout; the same on every rank),
+            ``[B + 1]`` or ``[1, B + 1]``.
         group: the CP group (one all-gather over it); None means ``cp_size == 1`` and returns `local`.
 
     Returns:
@@ -180,55 +189,114 @@ def gather(
     """
     _check_layout(layout)
     dim = dim % max(local.dim(), 1)
+    total = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")[-1]
     if group is None or dist.get_world_size(group) == 1:
-        if local.shape[dim] != check_cu_seqlens(cu_seqlens)[-1]:
+        if local.shape[dim] != total:
             raise ValueError(
-                f"local has {local.shape[dim]} positions along dim {dim} but cu_seqlens covers "
-                f"{int(cu_seqlens[-1])} (cp_size 1)"
+                f"local has {local.shape[dim]} positions along dim {dim} but cu_seqlens_padded covers "
+                f"{total} (cp_size 1)"
             )
         return local
     cp_size = dist.get_world_size(group)
-    total = check_cu_seqlens(cu_seqlens)[-1]
     if local.shape[dim] * cp_size != total:
         raise ValueError(
             f"local has {local.shape[dim]} positions along dim {dim}; cp_size={cp_size} ranks hold "
-            f"{local.shape[dim] * cp_size} but cu_seqlens covers {total}"
+            f"{local.shape[dim] * cp_size} but cu_seqlens_padded covers {total}"
         )
-    return _GatherCP.apply(local, cu_seqlens, group, dim, layout, sum_grads)
+    return _GatherCP.apply(local, cu_seqlens_padded, group, dim, layout, sum_grads)
+
+
+def _token_dim(key: str, value: torch.Tensor, total: int) -> int | None:
+    """The dimension of `value` to split, None for a one-element value that is not per token; else raise.
+
+    The token dimension is dim 0 for ``[T, ...]`` (lmloss's packed tensors) and dim 1 for ``[1, T, ...]``
+    (Megatron's and Hugging Face's one-row batches), found by its size ``T``. An ``attention_mask`` shaped
+    ``[1, ..., 1, T, T]`` (query rows x key columns) is split along its query rows.
+    """
+    shape = tuple(value.shape)
+    at = [d for d, n in enumerate(shape) if n == total]
+    square = len(shape) >= 2 and at == [len(shape) - 2, len(shape) - 1]
+    if key == "attention_mask" and square and all(n == 1 for n in shape[:-2]):
+        return len(shape) - 2  # a rank keeps its queries' rows against every key
+    if at == [0]:
+        return 0
+    if at == [1] and shape[0] == 1:
+        return 1
+    where = f"batch[{key!r}] has shape {shape}"
+    if not at:
+        if key in PER_TOKEN_KEYS:
+            raise ValueError(
+                f"{where}, but the packed buffer has {total} positions (the last entry of its boundaries)"
+            )
+        if value.numel() == 1:
+            return None
+        raise ValueError(
+            f"{where}: no dimension of {total} positions (the packed buffer's), and {key!r} is not a "
+            "metadata key (cu_seqlens*, max_seqlen*) nor a one-element value; split_batch cannot tell what "
+            "it is. Split it yourself with cp.split(..., dim=...) or leave it out of the batch"
+        )
+    if at == [1]:
+        raise ValueError(
+            f"{where}: {shape[0]} rows of {total} positions, but split_batch takes one packed row ([T, ...] "
+            "or [1, T, ...]); pack the rows into one buffer (lmloss.packing.pack) or split it yourself with "
+            "cp.split(..., dim=1)"
+        )
+    raise ValueError(
+        f"{where}: {total} (the packed buffer's positions) at dim(s) {at}, but split_batch places the token "
+        f"dimension only at dim 0 ([T, ...]) or dim 1 after a leading 1 ([1, T, ...]); move it there "
+        "(movedim) or split it yourself with cp.split(..., dim=...)"
+    )
 
 
 def split_batch(
-    batch: PackedBatch | Mapping[str, torch.Tensor | int],
+    batch: PackedBatch | Mapping[str, object],
     cp_size: int,
     cp_rank: int,
     *,
     layout: str = "zigzag",
-) -> dict[str, torch.Tensor | int]:
-    """This CP rank's share of a packed batch (a `PackedBatch` or a dict with its field names).
+) -> dict[str, object]:
+    """This CP rank's share of a packed batch: a `PackedBatch`, or a dict with lmloss's or Megatron's keys.
 
-    The per-token fields present (``input_ids``, ``labels``, ``position_ids``, ``loss_mask``) are split
-    with `split`; ``sequence_ids`` (int64, which sequence each local position belongs to) and, when
-    ``cu_seqlens_unpadded`` is present, ``token_mask`` (bool, False at padding) are added, split the same
-    way. Everything else (``cu_seqlens``, ``cu_seqlens_unpadded``, ``max_seqlen``, ...) is passed through
-    unchanged: THD attention under CP takes the full sequences' boundaries. Position ids stay global
-    (position within the full sequence), which is what rotary embeddings need.
+    The boundaries come from ``cu_seqlens_padded`` (the buffer layout) or, when absent or None, from
+    ``cu_seqlens`` (a buffer without padding); either may be ``[B + 1]`` or ``[1, B + 1]``. With ``T`` the
+    buffer's positions (their last entry):
+
+    * every tensor with a token dimension of size ``T`` is split along it with `split`: dim 0 for
+      ``[T, ...]`` (``input_ids``, ``labels``, ... of a `PackedBatch`), dim 1 for ``[1, T, ...]`` (Megatron's
+      ``tokens``, ``labels``, ``loss_mask``, ``position_ids``), the query rows of an ``attention_mask``
+      ``[1, 1, T, T]``; the result keeps the input's layout, with ``T / cp_size`` positions;
+    * passed through unchanged: the boundaries and lengths (keys starting with ``cu_seqlens`` or
+      ``max_seqlen``: THD attention under CP takes the *full* sequences' boundaries), values that are not
+      tensors (None, python numbers, process groups) and one-element tensors;
+    * anything else raises ValueError naming the key: a tensor with ``T`` at another dimension (e.g.
+      ``[H, T]``, ``[B > 1, T]``, ``[T, T]``), a per-token key (``input_ids``, ``tokens``, ``labels``,
+      ``position_ids``, ``loss_mask``, ``attention_mask``) without ``T`` positions, or an unknown key whose
+      shape has no ``T`` at all. Nothing token-aligned is ever passed through unsplit.
+
+    Added, int64/bool ``[T / cp_size]``: ``sequence_ids`` (which sequence each local position belongs to)
+    and, when ``cu_seqlens`` is present, ``token_mask`` (False at padding; all True without
+    ``cu_seqlens_padded``). Position ids stay global (position within the full sequence), which is what
+    rotary embeddings need.
     """
     fields = batch.to_dict() if isinstance(batch, PackedBatch) else dict(batch)
-    if "cu_seqlens" not in fields:
-        raise ValueError("batch has no 'cu_seqlens': cannot tell where its sequences are")
-    cu = fields["cu_seqlens"]
+    real, padded = fields.get("cu_seqlens"), fields.get("cu_seqlens_padded")
+    if real is None and padded is None:
+        raise ValueError(
+            "batch has neither 'cu_seqlens_padded' nor 'cu_seqlens': cannot tell where its sequences are"
+        )
+    name = "cu_seqlens_padded" if padded is not None else "cu_seqlens"
+    cu = as_cu_seqlens(padded if padded is not None else real, name=f"batch[{name!r}]")
+    total = check_cu_seqlens(cu, name=f"batch[{name!r}]")[-1]
     index = partition_index(cu, cp_size, cp_rank, layout)
-    out: dict[str, torch.Tensor | int] = {}
-    total = int(cu[-1])
+    out: dict[str, object] = {}
     for k, v in fields.items():
-        if k in PER_TOKEN_KEYS:
-            if v.dim() < 1 or v.shape[0] != total:
-                raise ValueError(
-                    f"batch[{k!r}] has shape {tuple(v.shape)}; cu_seqlens covers {total} positions"
-                )
-            v = v.index_select(0, index.to(v.device))
+        if isinstance(v, torch.Tensor) and not k.startswith(METADATA_PREFIXES):
+            dim = _token_dim(k, v, total)
+            if dim is not None:
+                v = v.index_select(dim, index.to(v.device))
         out[k] = v
     out["sequence_ids"] = sequence_ids(cu).index_select(0, index)
-    if "cu_seqlens_unpadded" in fields:
-        out["token_mask"] = token_mask(cu, fields["cu_seqlens_unpadded"]).index_select(0, index)
+    if real is not None:
+        real = as_cu_seqlens(real, name="batch['cu_seqlens']")
+        out["token_mask"] = token_mask(real, cu).index_select(0, index)
     return out

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
 
-_BOUNDARIES = ("cu_seqlens", "cu_seqlens_unpadded", "max_seqlen")
+_BOUNDARIES = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 _STAGE_KEYS = {
     "first": ("input_ids", "position_ids", *_BOUNDARIES),
     "middle": _BOUNDARIES,
@@ -39,8 +39,9 @@ def pipeline_stage_keys(stage: str) -> tuple[str, ...]:
     * ``"last"``: ``labels``, ``loss_mask`` and the boundaries;
     * ``"only"`` (no pipeline parallelism): all of the above.
 
-    The boundaries are ``cu_seqlens`` (padded, the buffer layout; TE's ``cu_seqlens_q_padded``),
-    ``cu_seqlens_unpadded`` (TE's ``cu_seqlens_q``) and ``max_seqlen``.
+    The boundaries are named as in Transformer Engine and Megatron-core: ``cu_seqlens`` (the real,
+    unpadded lengths; TE's ``cu_seqlens_q``), ``cu_seqlens_padded`` (the padded lengths, the buffer
+    layout; TE's ``cu_seqlens_q_padded``) and ``max_seqlen`` (the longest padded sequence).
     """
     if stage not in _STAGE_KEYS:
         raise ValueError(f"stage must be one of {tuple(_STAGE_KEYS)}, got {stage!r}")

@@ -1,52 +1,54 @@
 """Log-probs, entropy and cross-entropy straight from hidden states and the LM-head weight.
 
-Per chunk of tokens the logits ``hidden[s:e] @ weight.T + bias`` (temperature folded into the matmul) are
-made by one matmul in the inputs' dtype (bf16 / fp16 GEMMs accumulate in fp32 but round their output),
-reduced in fp32 by `lmloss.logits`' per-chunk kernels and dropped; no ``[tokens, V_local]`` tensor ever
-exists. Two ways through:
+The same chunk loop as the logits ops (`lmloss.plan`), with another chunk source and gradient sink:
+
+* source: each chunk's logits ``hidden[s:e] @ weight.T + bias`` are made by one matmul in the inputs'
+  dtype into a reused chunk buffer (bf16 / fp16 GEMMs accumulate in fp32 and round their output once).
+  No ``[tokens, V_local]`` tensor ever exists.
+* sink: the kernel turns the chunk's logits into its d-logits in place, and the sink chains them
+  through the matmul: ``d hidden[s:e] = dz @ W``, ``d W += dz.T @ hidden[s:e]``, ``d b += sum(dz)``.
+
+Two ways through:
 
 * per-token outputs (`linear_token_logprobs`, ``reduction="none"``): the backward recomputes each chunk's
-  logits and turns arbitrary per-token upstream gradients (RL advantages) into gradients.
-* a summed loss (``reduction="sum"`` / ``"mean"``) when gradients are wanted: the upstream gradient is a
-  single scalar, so the forward computes the gradients right after each chunk's statistics, while the
-  logits are at hand, and the backward only scales them. That saves the recompute matmul: 3 matmuls in
-  all, the floor.
+  logits and turns arbitrary per-token upstream gradients (RL advantages) into gradients (4 matmuls).
+* a summed loss (``reduction="sum"`` / ``"mean"``) with gradients: the upstream gradient is one scalar,
+  so the forward computes the gradients while each chunk's logits are at hand and the backward only
+  scales them (3 matmuls, the floor).
 
-Gradients for hidden, weight and bias accumulate in fp32 and come back in their inputs' dtypes. Under
-tensor parallelism (``weight`` vocab-sharded over ``tp_group``) each rank's hidden gradient covers only its
-vocabulary shard, so it is all-reduced over ``tp_group`` (or reduce-scattered, with sequence parallelism).
+The weight (and bias) gradient accumulates over chunks in ``weight_grad_dtype`` (fp32 by default; on
+CUDA with bf16 / fp16 inputs the d-logits stay in the input dtype and the GEMM accumulates into the fp32
+buffer directly, ``addmm(out_dtype=float32)``, so the tensor cores do the work). The hidden gradient is
+written once per row, in the hidden dtype (fp32 under TP, where ranks' partial gradients are summed:
+all-reduced over ``tp_group``, or reduce-scattered with sequence parallelism).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import math
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from lmloss import _validate
-from lmloss.logits import (
-    ChunkScratch,
-    SoftmaxSpec,
-    build_spec,
-    chunk_bounds,
-    grad_coefficients,
-    reduce_loss,
-    softmax_chunk_backward_,
-    softmax_chunk_forward,
-    softmax_grad_from_exps_,
-)
+from lmloss.kernels.torch_ref import ChunkScratch
+from lmloss.logits import reduce_loss
+from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, reduce_scatter_rows, world_size
 
-#: Working-set budget for ``chunk_size="auto"``: the fp32 chunk temporaries (at most two ``[chunk, V_local]``
-#: fp32 tensors at once: the logits chunk, and ``p`` beside it for an entropy gradient) stay under it.
-#: Override with ``LMLOSS_CHUNK_BUDGET_MIB``.
+#: Working-set budget for ``chunk_size="auto"`` (MiB); override with ``LMLOSS_CHUNK_BUDGET_MIB``. What
+#: counts per chunk: the PyTorch implementation holds two fp32 ``[chunk, V_local]`` tensors at once (the
+#: logits chunk, and ``p`` beside it for an entropy gradient); the Triton one only the chunk's logits
+#: in the input dtype (its d-logits overwrite them).
 DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 64, "cuda": 2048}
-_LIVE_CHUNK_TENSORS = 2
 
 
-def auto_chunk_size(n_tokens: int, local_vocab: int, device: torch.device | str = "cpu") -> int:
-    """Tokens per chunk so that the chunk's fp32 temporaries fit the budget.
+def auto_chunk_size(
+    n_tokens: int, local_vocab: int, device: torch.device | str = "cpu", bytes_per_logit: int = 8
+) -> int:
+    """Tokens per chunk so that the chunk's working set (``bytes_per_logit`` per logit) fits the budget.
 
     Budget: ``LMLOSS_CHUNK_BUDGET_MIB`` if set, else `DEFAULT_CHUNK_BUDGET_MIB` for the device type
     (64 MiB on CPU, 2 GiB on CUDA). Rounded down to a multiple of 64 (matmul-friendly) when >= 64.
@@ -55,252 +57,200 @@ def auto_chunk_size(n_tokens: int, local_vocab: int, device: torch.device | str 
     budget_mib = float(
         os.environ.get("LMLOSS_CHUNK_BUDGET_MIB", DEFAULT_CHUNK_BUDGET_MIB.get(device_type, 96))
     )
-    rows = int(budget_mib * 2**20 // (_LIVE_CHUNK_TENSORS * 4 * max(local_vocab, 1)))
+    rows = int(budget_mib * 2**20 // (bytes_per_logit * max(local_vocab, 1)))
     if rows >= 64:
         rows -= rows % 64
     return max(1, min(rows, max(n_tokens, 1)))
 
 
-@dataclasses.dataclass(frozen=True)
-class _FusedPlan:
-    spec: SoftmaxSpec  # scale 1: the temperature is folded into the matmul
-    inv_temperature: float
-    chunk_size: int | None
-    tp_group: ProcessGroup | None
-    sequence_parallel: bool
+@functools.lru_cache(maxsize=8)
+def gemm_accumulates_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32, lowp, lowp, out_dtype=float32)`` runs here (CUDA, PyTorch >= 2.11)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        a = torch.ones((2, 2), dtype=dtype, device=device)
+        acc = torch.ones((2, 2), dtype=torch.float32, device=device)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return bool((acc == 3.0).all())  # accumulated into the buffer it read (1 + 1*1 + 1*1)
 
 
-@dataclasses.dataclass
-class _Grads:
-    """fp32 gradient accumulators; None where that input needs no gradient."""
+class _HiddenRows:
+    """Chunk source: ``hidden[s:e] @ weight.T (+ bias)`` into one reused ``[chunk, V_local]`` buffer.
 
-    hidden: torch.Tensor | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    @classmethod
-    def zeros(cls, hidden, weight, bias, needs) -> _Grads:
-        def make(t, need):
-            return torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need else None
-
-        # hidden rows are each written once (by their chunk), so they need no zero fill
-        h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs[0] else None
-        return cls(h, make(weight, needs[1]), None if bias is None else make(bias, needs[2]))
-
-
-def _scaled_rows(hidden: torch.Tensor, s: int, e: int, inv_t: float) -> torch.Tensor:
-    rows = hidden[s:e]
-    return rows if inv_t == 1.0 else rows * inv_t
-
-
-def _scaled_bias(bias: torch.Tensor | None, inv_t: float) -> torch.Tensor | None:
-    return bias if bias is None or inv_t == 1.0 else bias * inv_t
-
-
-def _chunk_logits(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scratch: ChunkScratch
-) -> torch.Tensor:
-    """fp32 ``[c, V_local]`` logits of one chunk, in the reused buffer ``scratch["logits"]``."""
-    c, v_local = rows.shape[0], weight.shape[0]
-    z = scratch.get("logits", c, v_local)
-    mm_out = z if weight.dtype == torch.float32 else scratch.get("logits_lowp", c, v_local, weight.dtype)
-    if bias is None:
-        torch.mm(rows, weight.t(), out=mm_out)
-    else:
-        torch.addmm(bias, rows, weight.t(), out=mm_out)
-    return z if mm_out is z else z.copy_(mm_out)
-
-
-def _accumulate(
-    grad_z: torch.Tensor,
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    inv_t: float,
-    g: _Grads,
-    s: int,
-    scratch: ChunkScratch,
-):
-    """Chain one chunk's fp32 ``d/d logits`` through ``logits = (rows_raw @ W.T + b) / T``.
-
-    `rows` are the already scaled hidden rows, so the weight gradient needs no further factor.
+    The chunk is made in the weight's dtype and, when `chunk_dtype` is fp32 (low-precision inputs whose
+    d-logits must be fp32, see `_Accumulators`), upcast into an fp32 buffer. The chunk is scratch the
+    kernels may overwrite (`owns_chunks`).
     """
-    e = s + grad_z.shape[0]
-    if g.hidden is not None:
-        if weight.dtype == torch.float32:
-            torch.mm(grad_z, weight, out=g.hidden[s:e])
-        else:  # the GEMM accumulates in fp32 internally; each hidden row comes from one GEMM
-            grad_lowp = scratch.get("logits_lowp", *grad_z.shape, weight.dtype).copy_(grad_z)
-            g.hidden[s:e] = torch.mm(grad_lowp, weight)
-        if inv_t != 1.0:
-            g.hidden[s:e].mul_(inv_t)
-    if g.weight is not None:
-        g.weight.addmm_(grad_z.t(), rows.float())
-    if g.bias is not None:
-        g.bias.add_(grad_z.sum(dim=0), alpha=inv_t)
+
+    owns_chunks = True
+
+    def __init__(self, hidden, weight, bias, scratch: ChunkScratch, chunk_dtype: torch.dtype) -> None:
+        self.hidden, self.weight, self.bias, self.scratch = hidden, weight, bias, scratch
+        self.chunk_dtype = chunk_dtype
+
+    def __call__(self, s: int, e: int) -> torch.Tensor:
+        v_local = self.weight.shape[0]
+        z = self.scratch.get("logits_lowp", e - s, v_local, self.weight.dtype)
+        if self.bias is None:
+            torch.mm(self.hidden[s:e], self.weight.t(), out=z)
+        else:
+            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=z)
+        if self.chunk_dtype == z.dtype:
+            return z
+        return self.scratch.get("logits", e - s, v_local, self.chunk_dtype).copy_(z)
 
 
-def _forward(hidden, weight, bias, labels, plan: _FusedPlan, grads: _Grads | None):
-    """Walk the chunks: per-token outputs, lse, entropy; with `grads`, also the gradients of sum(loss)."""
-    spec = plan.spec
-    n = hidden.shape[0]
-    fp32 = dict(dtype=torch.float32, device=hidden.device)
-    results = {k: torch.empty(n, **fp32) for k in spec.outputs}
-    lse = torch.empty(n, **fp32)
-    bias = _scaled_bias(bias, plan.inv_temperature)
-    scratch = ChunkScratch(min(n, plan.chunk_size or n), weight.shape[0], hidden.device)
-    for s, e in chunk_bounds(n, plan.chunk_size):
-        rows = _scaled_rows(hidden, s, e, plan.inv_temperature)
-        z = _chunk_logits(rows, weight, bias, scratch)
-        chunk_labels = None if labels is None else labels[s:e]
-        out = softmax_chunk_forward(z, chunk_labels, spec, overwrite=True, scratch=scratch)  # z: exps now
-        lse[s:e] = out.lse
-        for k in spec.outputs:
-            results[k][s:e] = getattr(out, k)
-        if grads is not None:  # d sum(loss) / d logits, while the exps are at hand
-            coef = grad_coefficients(spec, chunk_labels, out.lse, None, None, torch.ones_like(out.lse))
-            softmax_grad_from_exps_(z, chunk_labels, out, coef, spec)
-            _accumulate(z, rows, weight, plan.inv_temperature, grads, s, scratch)
-    return results, lse
+def chunk_dtype_for(weight: torch.Tensor, weight_grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype each chunk's logits (then d-logits, in place) live in.
 
-
-def _backward(hidden, weight, bias, labels, lse, entropy, coef, plan: _FusedPlan, grads: _Grads) -> None:
-    """Recompute each chunk's logits and accumulate the gradients of the per-token outputs."""
-    n = hidden.shape[0]
-    bias = _scaled_bias(bias, plan.inv_temperature)
-    scratch = ChunkScratch(min(n, plan.chunk_size or n), weight.shape[0], hidden.device)
-    for s, e in chunk_bounds(n, plan.chunk_size):
-        rows = _scaled_rows(hidden, s, e, plan.inv_temperature)
-        z = _chunk_logits(rows, weight, bias, scratch)
-        p_scratch = None if coef.d is None else scratch.get("p", e - s, plan.spec.shard.valid)
-        softmax_chunk_backward_(
-            z, z, None if labels is None else labels[s:e], lse[s:e],
-            None if entropy is None else entropy[s:e], coef.rows(s, e), plan.spec, p_scratch,
-        )  # fmt: skip
-        _accumulate(z, rows, weight, plan.inv_temperature, grads, s, scratch)
-
-
-def _finish_hidden_grad(grad_hidden: torch.Tensor, plan: _FusedPlan) -> torch.Tensor:
-    """Each TP rank saw only its vocabulary shard: sum the hidden gradient over the TP group.
-
-    With sequence parallelism the sum happens in `_GatherRows`' backward, as a reduce-scatter.
+    The input dtype when the weight-gradient GEMM can take low-precision d-logits as they are: fp32
+    inputs, a low-precision accumulator by request, or a GEMM that accumulates into the fp32 buffer
+    itself (CUDA). Otherwise (bf16 / fp16 on CPU) fp32, so that the fp32 accumulator gets unrounded
+    d-logits.
     """
-    if plan.sequence_parallel:
-        return grad_hidden
-    return all_reduce_sum_(grad_hidden, plan.tp_group)
+    if weight.dtype == torch.float32 or weight_grad_dtype == weight.dtype:
+        return weight.dtype
+    return weight.dtype if gemm_accumulates_into_fp32(weight.device, weight.dtype) else torch.float32
 
 
-def _cast_grads(g: _Grads, hidden, weight, bias, plan: _FusedPlan, scale: torch.Tensor | None):
-    gh = gw = gb = None
-    if g.hidden is not None:
-        gh = _finish_hidden_grad(g.hidden if scale is None else g.hidden * scale, plan).to(hidden.dtype)
-    if g.weight is not None:
-        gw = (g.weight if scale is None else g.weight.mul_(scale)).to(weight.dtype)
-    if g.bias is not None:
-        gb = (g.bias if scale is None else g.bias.mul_(scale)).to(bias.dtype)
-    return gh, gw, gb
+class _Accumulators:
+    """Gradient sink of the fused ops: chains each chunk's d-logits into hidden / weight / bias gradients.
+
+    hidden: ``[N, H]``, each row written once (hidden dtype; fp32 when TP ranks' partials are summed).
+    weight, bias: accumulated over chunks in `weight_grad_dtype`.
+    None where that input needs no gradient.
+    """
+
+    def __init__(
+        self, hidden, weight, bias, needs, *, weight_grad_dtype, tp_summed, sequence_parallel, scratch, **_
+    ):
+        self.hidden_in, self.weight_in, self.scratch = hidden, weight, scratch
+        self.sequence_parallel = sequence_parallel
+        h_dtype = torch.float32 if tp_summed else hidden.dtype
+        self.hidden = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device) if needs[0] else None
+        self.weight = (
+            torch.zeros(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None
+        )
+        self.bias = None
+        if bias is not None and needs[2]:
+            self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+
+    def buffer(self, s, e, x):
+        return x  # the chunk is scratch in `chunk_dtype_for`: its d-logits overwrite it
+
+    def consume(self, s, e, dz):
+        rows, w = self.hidden_in[s:e], self.weight_in
+        if self.hidden is not None:
+            # the source's low-precision chunk buffer is free again once the chunk was upcast
+            dz_w = (
+                dz if dz.dtype == w.dtype else self.scratch.get("logits_lowp", *dz.shape, w.dtype).copy_(dz)
+            )
+            if self.hidden.dtype == w.dtype:
+                torch.mm(dz_w, w, out=self.hidden[s:e])
+            else:  # the GEMM accumulates in fp32 internally; each hidden row comes from one GEMM
+                self.hidden[s:e] = torch.mm(dz_w, w)
+        if self.weight is not None:
+            if dz.dtype == self.weight.dtype:
+                self.weight.addmm_(dz.t(), rows if rows.dtype == dz.dtype else rows.to(dz.dtype))
+            else:  # low-precision d-logits into the fp32 accumulator, on the tensor cores
+                torch.addmm(self.weight, dz.t(), rows, out_dtype=torch.float32, out=self.weight)
+        if self.bias is not None:
+            self.bias.add_(dz.sum(dim=0, dtype=torch.float32))
+
+    def finish(self, hidden, weight, bias, tp_group, scale=None):
+        """The gradients in their inputs' dtypes; scaled by the upstream scalar `scale` if given."""
+        gh = gw = gb = None
+        if self.hidden is not None:
+            g = self.hidden if scale is None else self.hidden.mul_(scale)
+            if not self.sequence_parallel:  # with it, the sum is `_GatherRows`' backward (a reduce-scatter)
+                all_reduce_sum_(g, tp_group)
+            gh = g.to(hidden.dtype)
+        if self.weight is not None:
+            gw = (self.weight if scale is None else self.weight.mul_(scale)).to(weight.dtype)
+        if self.bias is not None:
+            gb = (self.bias if scale is None else self.bias.mul_(scale)).to(bias.dtype)
+        return gh, gw, gb
+
+
+def _pass_scratch(plan: LossPlan, hidden: torch.Tensor) -> ChunkScratch:
+    n = hidden.shape[0]
+    return ChunkScratch(max(1, min(n, plan.chunk_size or n)), plan.shard.size, hidden.device)
 
 
 class _LinearSoftmaxPerToken(torch.autograd.Function):
-    """hidden ``[N, H]`` (full tokens), weight ``[V_local, H]`` -> per-token outputs; recompute in backward."""
+    """hidden ``[N, H]`` (all tokens), weight ``[V_local, H]`` -> per-token outputs; recompute in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, plan: _FusedPlan):
-        results, lse = _forward(hidden, weight, bias, labels, plan, grads=None)
-        ctx.plan = plan
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, results.get("entropy"))
-        ctx.set_materialize_grads(False)
-        return tuple(results[k] for k in plan.spec.outputs)
-
-    @staticmethod
-    def backward(ctx, *grads_out):
-        plan: _FusedPlan = ctx.plan
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
-        upstream = dict(zip(plan.spec.outputs, grads_out))
-        coef = grad_coefficients(
-            plan.spec, labels, lse, upstream.get("logprobs"), upstream.get("entropy"), upstream.get("loss")
+    def forward(ctx, hidden, weight, bias, labels, plan: LossPlan, opts: dict):
+        source = _HiddenRows(hidden, weight, bias, _pass_scratch(plan, hidden), opts["chunk_dtype"])
+        results = forward_pass(
+            plan, hidden.shape[0], source, labels, device=hidden.device, dtype=hidden.dtype
         )
+        ctx.plan, ctx.opts = plan, opts
+        ctx.save_for_backward(hidden, weight, bias, labels, results["lse"], results.get("entropy"))
+        ctx.set_materialize_grads(False)
+        return tuple(results[k] for k in plan.outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads_out):
+        plan: LossPlan = ctx.plan
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        upstream = dict(zip(plan.outputs, grads_out))
+        coef = grad_coefficients(plan, labels, lse, upstream)
         if coef is None:
-            return None, None, None, None, None
-        g = _Grads.zeros(hidden, weight, bias, ctx.needs_input_grad[:3])
-        _backward(hidden, weight, bias, labels, lse, entropy, coef, plan, g)
-        return (*_cast_grads(g, hidden, weight, bias, plan, None), None, None)
+            return None, None, None, None, None, None
+        scratch = _pass_scratch(plan, hidden)
+        acc = _Accumulators(hidden, weight, bias, ctx.needs_input_grad[:3], scratch=scratch, **ctx.opts)
+        backward_pass(
+            plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, ctx.opts["chunk_dtype"]), labels, lse,
+            entropy if upstream.get("entropy") is not None else None, coef, acc, device=hidden.device,
+            uniform_term=has_uniform_term(plan, upstream),
+        )  # fmt: skip
+        grads = acc.finish(hidden, weight, bias, plan.tp_group)
+        return (*grads, None, None, None)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Scalar ``sum`` of per-token losses; gradients computed in the forward pass, scaled in backward.
 
-    The backward scales the saved fp32 gradients in place (no second weight-sized buffer), so it can run
+    The backward scales the saved gradients in place (no second weight-sized buffer), so it can run
     once per forward: a second backward through the same graph (``retain_graph=True``) raises.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, plan: _FusedPlan, grad_enabled: bool):
+    def forward(ctx, hidden, weight, bias, labels, plan: LossPlan, opts: dict, grad_enabled: bool):
         # grad mode is always off inside forward(): the caller says whether gradients will be wanted
         needs = tuple(n and grad_enabled for n in ctx.needs_input_grad[:3])
-        grads = _Grads.zeros(hidden, weight, bias, needs) if any(needs) else None
-        results, _ = _forward(hidden, weight, bias, labels, plan, grads)
-        ctx.plan, ctx.grads = plan, grads
+        scratch = _pass_scratch(plan, hidden)
+        acc = _Accumulators(hidden, weight, bias, needs, scratch=scratch, **opts) if any(needs) else None
+        results = forward_pass(
+            plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, opts["chunk_dtype"]), labels,
+            device=hidden.device,
+            dtype=hidden.dtype, grad_sink=acc,
+        )  # fmt: skip
+        ctx.plan, ctx.opts, ctx.acc = plan, opts, acc
         ctx.save_for_backward(hidden, weight, bias)
         return results["loss"].sum()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
         hidden, weight, bias = ctx.saved_tensors
-        if ctx.grads == "used":
+        if ctx.acc == "used":
             raise RuntimeError(
                 "lmloss.linear_cross_entropy with reduction='sum'/'mean' computes its gradients in the forward "
                 "and hands them out once; for a second backward through the same graph use reduction='none' "
                 "and reduce the per-token losses yourself"
             )
-        grads, ctx.grads = ctx.grads, "used"
-        if grads is None:
-            return None, None, None, None, None, None
-        return (*_cast_grads(grads, hidden, weight, bias, ctx.plan, grad_total), None, None, None)
-
-
-def _prepare(
-    hidden, weight, labels, bias, *, chunk_size, temperature, ignore_index, vocab_size, tp_group,
-    vocab_start, sequence_parallel, **outputs,
-):  # fmt: skip
-    """Check arguments, gather sequence-parallel hidden states, and build the plan."""
-    _validate.check_floating("hidden", hidden)
-    _validate.check_floating("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [V_local, H], got shape {tuple(weight.shape)}")
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden width {hidden.shape[-1] if hidden.dim() else None} does not match weight [V_local, H] "
-            f"with H={weight.shape[1]}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    if bias is not None:
-        _validate.check_floating("bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must be [V_local] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"bias ({bias.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    _validate.check_chunk_size(chunk_size, allow_auto=True)
-    if sequence_parallel and tp_group is None:
-        raise ValueError("sequence_parallel=True needs the tp_group that the tokens are sharded over")
-    expected = hidden.shape[:-1]
-    if sequence_parallel:
-        expected = torch.Size((world_size(tp_group) * hidden.shape[0], *hidden.shape[1:-1]))
-    if labels is not None:
-        _validate.check_labels(
-            labels, expected, against="hidden (gathered over tp_group)" if sequence_parallel else "hidden"
-        )
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    if sequence_parallel:
-        flat = _GatherRows.apply(flat, tp_group)
-    spec = build_spec(
-        weight.shape[0], labels, weight.device, temperature=temperature, ignore_index=ignore_index,
-        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, fold_temperature=True, **outputs,
-    )  # fmt: skip
-    if chunk_size == "auto":
-        chunk_size = auto_chunk_size(flat.shape[0], weight.shape[0], weight.device)
-    plan = _FusedPlan(spec, 1.0 / temperature, chunk_size, tp_group, sequence_parallel)
-    return flat, None if labels is None else labels.reshape(-1), plan, expected
+        acc, ctx.acc = ctx.acc, "used"
+        if acc is None:
+            return None, None, None, None, None, None, None
+        grads = acc.finish(hidden, weight, bias, ctx.plan.tp_group, grad_total)
+        return (*grads, None, None, None, None)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -317,6 +267,66 @@ class _GatherRows(torch.autograd.Function):
         return reduce_scatter_rows(grad.contiguous(), ctx.group), None
 
 
+def _prepare(
+    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group, **options
+):
+    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    _validate.check_floating("hidden", hidden)
+    _validate.check_floating("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V_local, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden width {hidden.shape[-1] if hidden.dim() else None} does not match weight [V_local, H] "
+            f"with H={weight.shape[1]}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None:
+        _validate.check_floating("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [V_local] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias ({bias.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if weight_grad_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(
+            f"weight_grad_dtype must be torch.float32 or the weight's dtype ({weight.dtype}), got {weight_grad_dtype}"
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if sequence_parallel and tp_group is None:
+        raise ValueError("sequence_parallel=True needs the tp_group that the tokens are sharded over")
+    expected = hidden.shape[:-1]
+    if sequence_parallel:
+        expected = torch.Size((world_size(tp_group) * hidden.shape[0], *hidden.shape[1:-1]))
+    if labels is not None:
+        against = "hidden (gathered over tp_group)" if sequence_parallel else "hidden"
+        labels = _validate.check_labels(labels, expected, hidden.device, against=against)
+    h_width, dtype_bytes = weight.shape[1], weight.element_size()
+
+    def auto_chunk(n_tokens, local_vocab, impl):
+        per_logit = dtype_bytes if impl == "triton" else 8
+        return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit)
+
+    plan = make_plan(
+        n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
+        labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
+        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel)), **options,
+    )  # fmt: skip
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:
+        flat = _GatherRows.apply(flat, tp_group)
+    opts = dict(
+        weight_grad_dtype=weight_grad_dtype,
+        tp_summed=world_size(tp_group) > 1,
+        sequence_parallel=sequence_parallel,
+        chunk_dtype=chunk_dtype_for(weight, weight_grad_dtype),
+    )
+    return flat, None if labels is None else labels.reshape(-1), plan, opts, expected
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -325,12 +335,15 @@ def linear_token_logprobs(
     bias: torch.Tensor | None = None,
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     vocab_size: int | None = None,
     tp_group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     sequence_parallel: bool = False,
     return_entropy: bool = False,
+    weight_grad_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`lmloss.token_logprobs` of ``hidden @ weight.T + bias``, without materializing the logits.
 
@@ -340,23 +353,27 @@ def linear_token_logprobs(
         weight: ``[V_local, H]``, same dtype: the LM head, a tied embedding, or this rank's vocab shard.
         labels: ``[...]`` global vocabulary ids, the (gathered) leading shape of `hidden`.
         bias: optional ``[V_local]``.
-        chunk_size: tokens per chunk; ``"auto"`` sizes it from a memory budget (`auto_chunk_size`);
-            None for one chunk.
+        chunk_size: tokens per chunk; ``"auto"`` sizes it from a memory budget (`auto_chunk_size`),
+            agreed across `tp_group`; None for one chunk.
         sequence_parallel: `hidden` is sharded along tokens over `tp_group`; its gradient is
             reduce-scattered back. Without it every TP rank holds the same `hidden` and receives the
             full (all-reduced) gradient.
-        Other arguments as in `lmloss.token_logprobs`; `temperature` divides the logits inside the matmul.
+        weight_grad_dtype: dtype of the weight-gradient accumulator, ``torch.float32`` (default) or the
+            weight's own dtype (saves ``4 - 2`` bytes per weight element for bf16, at the precision cost
+            stated in the README).
+        Other arguments as in `lmloss.token_logprobs` (`temperature`, `softcap`, `impl`, ...).
 
     Returns:
         fp32 ``[...]`` log-probs (0.0 where ignored), or ``(logprobs, entropy)``; the same on every TP rank.
         Gradients flow to `hidden`, `weight` and `bias` for any per-token upstream gradients.
     """
-    flat, flat_labels, plan, shape = _prepare(
-        hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature,
+    flat, flat_labels, plan, opts, shape = _prepare(
+        hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
-        sequence_parallel=sequence_parallel, logprobs=True, entropy=return_entropy,
+        sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
+        outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
     )  # fmt: skip
-    outs = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan)
+    outs = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan, opts)
     outs = tuple(o.view(shape) for o in outs)
     return outs if return_entropy else outs[0]
 
@@ -373,11 +390,14 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     temperature: float = 1.0,
+    softcap: float | None = None,
     vocab_size: int | None = None,
     tp_group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     sequence_parallel: bool = False,
     mean_group: ProcessGroup | None = None,
+    weight_grad_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """`lmloss.cross_entropy` of ``hidden @ weight.T + bias``, without materializing the logits.
 
@@ -388,13 +408,15 @@ def linear_cross_entropy(
     _validate.check_reduction(reduction)
     _validate.check_label_smoothing(label_smoothing)
     _validate.check_z_loss(z_loss)
-    flat, flat_labels, plan, shape = _prepare(
-        hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature,
+    flat, flat_labels, plan, opts, shape = _prepare(
+        hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
-        sequence_parallel=sequence_parallel, loss=True, label_smoothing=label_smoothing, z_loss=z_loss,
+        sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
+        outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss,
     )  # fmt: skip
     if reduction == "none":
-        (per_token,) = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan)
+        (per_token,) = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan, opts)
         return per_token.view(shape)
-    total = _LinearCrossEntropySum.apply(flat, weight, bias, flat_labels, plan, torch.is_grad_enabled())
+    total = _LinearCrossEntropySum.apply(flat, weight, bias, flat_labels, plan, opts, torch.is_grad_enabled())
+    labels = flat_labels.view(shape)
     return reduce_loss(total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group)

@@ -1,18 +1,23 @@
-"""Packed batches: several sequences laid end to end in one ``[T]`` buffer, described by ``cu_seqlens``.
+"""Packed batches: several sequences laid end to end in one ``[T]`` buffer, described by their boundaries.
 
 The one rule everything here keeps: a label never crosses a sequence boundary. ``labels[i]`` is the token
 after position ``i`` *in the same sequence*, or ``ignore_index``. Labels are made on the full packed
 buffer, before any context-parallel split (`lmloss.cp`), so a rank never needs its neighbour's tokens to
 know its own targets.
 
-Two boundary tensors describe a packed buffer:
+Two boundary tensors describe a packed buffer, named as Transformer Engine and Megatron-core name them
+(``PackedSeqParams(qkv_format="thd", cu_seqlens_q, cu_seqlens_q_padded, max_seqlen_q, ...)``):
 
-* ``cu_seqlens`` (int32 ``[B + 1]``): cumulative *padded* lengths. This is the buffer layout: sequence
-  ``b`` occupies ``[cu_seqlens[b], cu_seqlens[b + 1])``. `lmloss.cp` partitions along it. Transformer
-  Engine calls it ``cu_seqlens_q_padded``.
-* ``cu_seqlens_unpadded`` (int32 ``[B + 1]``): cumulative real lengths (TE's ``cu_seqlens_q``, flash-attn's
-  ``cu_seqlens``). Sequence ``b``'s real tokens are the first ``len_b`` positions of its slot; the rest is
-  padding.
+* ``cu_seqlens`` (int32 ``[B + 1]``): cumulative *real* (unpadded) lengths, starting with 0. TE's
+  ``cu_seqlens_q``/``cu_seqlens_kv``, Megatron's batch key ``cu_seqlens``, flash-attn's ``cu_seqlens``
+  for a buffer without padding.
+* ``cu_seqlens_padded`` (int32 ``[B + 1]``): cumulative *padded* lengths, starting with 0. This is the
+  buffer layout: sequence ``b`` occupies ``[cu_seqlens_padded[b], cu_seqlens_padded[b + 1])``, its real
+  tokens first, then its padding. `lmloss.cp` partitions along it. TE's ``cu_seqlens_q_padded``, Megatron's
+  batch key ``cu_seqlens_padded``. Without padding the two are equal.
+
+Every function here also accepts boundaries shaped ``[1, B + 1]`` (Megatron keeps them so in its batches)
+and squeezes the leading 1.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class PackedBatch:
-    """A packed batch of ``B`` sequences in ``T`` positions (padding included).
+    """A packed batch of ``B`` sequences in ``T`` positions (padding included). Keyword construction only.
 
     input_ids: int64 ``[T]``; padding positions hold ``pad_id``.
     labels: int64 ``[T]``; ``labels[i]`` is the next token of the same sequence when that token is a
@@ -41,9 +46,12 @@ class PackedBatch:
         and positions whose next token has loss mask 0).
     position_ids: int64 ``[T]``; ``0, 1, 2, ...`` restarting in every sequence and running on through
         that sequence's padding.
-    cu_seqlens: int32 ``[B + 1]``; cumulative padded lengths, starting with 0 (the buffer layout).
-    cu_seqlens_unpadded: int32 ``[B + 1]``; cumulative real lengths, starting with 0.
-    max_seqlen: the longest padded sequence (python int).
+    cu_seqlens: int32 ``[B + 1]``; cumulative *real* (unpadded) lengths, starting with 0 (TE's
+        ``cu_seqlens_q``). ``cu_seqlens[-1]`` is the number of real tokens, not ``T``.
+    cu_seqlens_padded: int32 ``[B + 1]``; cumulative *padded* lengths, starting with 0 and ending at ``T``:
+        the buffer layout (TE's ``cu_seqlens_q_padded``), along which `lmloss.cp` partitions.
+    max_seqlen: the longest *padded* sequence (python int), the value Transformer Engine derives for
+        ``max_seqlen_q`` from ``cu_seqlens_q_padded``.
     loss_mask: bool ``[T]``, aligned with `labels` (not with `input_ids`): True exactly where
         ``labels != ignore_index``, i.e. where position ``i``'s prediction is scored.
     """
@@ -52,41 +60,54 @@ class PackedBatch:
     labels: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
-    cu_seqlens_unpadded: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
     max_seqlen: int
     loss_mask: torch.Tensor
 
     @property
     def num_sequences(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        return self.cu_seqlens_padded.numel() - 1
 
     def sequence_ids(self) -> torch.Tensor:
         """int64 ``[T]``: the index of the sequence each position belongs to (padding included)."""
-        return sequence_ids(self.cu_seqlens)
+        return sequence_ids(self.cu_seqlens_padded)
 
     def token_mask(self) -> torch.Tensor:
         """bool ``[T]``: True at real tokens, False at padding."""
-        return token_mask(self.cu_seqlens, self.cu_seqlens_unpadded)
+        return token_mask(self.cu_seqlens, self.cu_seqlens_padded)
 
     def to_dict(self) -> dict[str, torch.Tensor | int]:
         """The fields by name, e.g. for `lmloss.distributed.broadcast_batch` or `lmloss.cp.split_batch`."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def check_cu_seqlens(cu_seqlens: object, total: int | None = None, *, name: str = "cu_seqlens") -> list[int]:
-    """Check a boundary tensor and return it as a python list (one host sync on an accelerator).
+def as_cu_seqlens(cu_seqlens: object, *, name: str = "cu_seqlens") -> torch.Tensor:
+    """A boundary tensor as 1-D ``[B + 1]``: ``[B + 1]`` as given, ``[1, B + 1]`` (Megatron's batches) squeezed.
 
-    It must be a 1-D integer tensor starting at 0, non-decreasing, and end at `total` when given.
+    Raises TypeError for a non-tensor or a non-integer dtype, ValueError for any other shape; both name
+    the argument `name`. Nothing is copied (a squeeze is a view).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
+        cu_seqlens = cu_seqlens[0]
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(
-            f"{name} must be 1-D with at least one entry (a leading 0), got shape {tuple(cu_seqlens.shape)}"
+            f"{name} must be [B + 1] or [1, B + 1] with at least one entry (a leading 0), got shape "
+            f"{tuple(cu_seqlens.shape)}"
         )
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    return cu_seqlens
+
+
+def check_cu_seqlens(cu_seqlens: object, total: int | None = None, *, name: str = "cu_seqlens") -> list[int]:
+    """Check a boundary tensor and return it as a python list (one host sync on an accelerator).
+
+    It must be an integer tensor shaped ``[B + 1]`` or ``[1, B + 1]``, start at 0, be non-decreasing,
+    and end at `total` when given. Error messages name the argument `name`.
+    """
+    bounds = [int(b) for b in as_cu_seqlens(cu_seqlens, name=name).tolist()]
     if bounds[0] != 0:
         raise ValueError(f"{name} must start with 0, got {bounds[0]}")
     for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -97,31 +118,47 @@ def check_cu_seqlens(cu_seqlens: object, total: int | None = None, *, name: str 
     return bounds
 
 
-def sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T]`` (``T = cu_seqlens[-1]``): the sequence index of every position of the buffer."""
-    check_cu_seqlens(cu_seqlens)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seqs = torch.arange(lengths.numel(), device=cu_seqlens.device)
+def sequence_ids(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T]``: the sequence index of every position of the buffer, padding included.
+
+    `cu_seqlens_padded` is the buffer layout, ``[B + 1]`` or ``[1, B + 1]``, ending at ``T`` (for a buffer
+    without padding, pass ``cu_seqlens``: the two are equal).
+    """
+    check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    cu = as_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    lengths = (cu[1:] - cu[:-1]).long()
+    seqs = torch.arange(lengths.numel(), device=cu.device)
     return torch.repeat_interleave(seqs, lengths)
 
 
-def token_mask(cu_seqlens: torch.Tensor, cu_seqlens_unpadded: torch.Tensor) -> torch.Tensor:
-    """bool ``[T]``: True at real tokens, False at padding (each sequence's padding is a suffix of its slot)."""
-    padded = check_cu_seqlens(cu_seqlens)
-    real = check_cu_seqlens(cu_seqlens_unpadded, name="cu_seqlens_unpadded")
+def token_mask(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """bool ``[T]`` (``T = cu_seqlens_padded[-1]``): True at real tokens, False at padding.
+
+    Args:
+        cu_seqlens: the real (unpadded) boundaries, ``[B + 1]`` or ``[1, B + 1]``.
+        cu_seqlens_padded: the padded boundaries (the buffer layout), same shape. Each sequence's padding
+            is the suffix of its slot.
+
+    Raises ValueError when a sequence has more real tokens than padded positions (e.g. the two
+    arguments swapped) or the sequence counts differ.
+    """
+    padded = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    real = check_cu_seqlens(cu_seqlens, name="cu_seqlens")
     if len(real) != len(padded):
         raise ValueError(
-            f"cu_seqlens_unpadded has {len(real) - 1} sequences but cu_seqlens has {len(padded) - 1}"
+            f"cu_seqlens has {len(real) - 1} sequences but cu_seqlens_padded has {len(padded) - 1}"
         )
     for b in range(len(padded) - 1):
         if real[b + 1] - real[b] > padded[b + 1] - padded[b]:
             raise ValueError(
-                f"sequence {b} has {real[b + 1] - real[b]} real tokens but only "
-                f"{padded[b + 1] - padded[b]} positions in cu_seqlens"
+                f"sequence {b} has {real[b + 1] - real[b]} real tokens in cu_seqlens but only "
+                f"{padded[b + 1] - padded[b]} positions in cu_seqlens_padded (are the two swapped?)"
             )
-    seq = sequence_ids(cu_seqlens)
-    offset = torch.arange(seq.numel(), device=seq.device) - cu_seqlens.long()[seq]
-    real_len = (cu_seqlens_unpadded[1:] - cu_seqlens_unpadded[:-1]).long()
+    cu_padded = as_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
+    cu_real = as_cu_seqlens(cu_seqlens, name="cu_seqlens").to(cu_padded.device)
+    seq = sequence_ids(cu_padded)
+    offset = torch.arange(seq.numel(), device=seq.device) - cu_padded.long()[seq]
+    real_len = (cu_real[1:] - cu_real[:-1]).long()
     return offset < real_len[seq]
 
 
@@ -140,19 +177,21 @@ def shift_labels(
     loss_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
     *,
-    cu_seqlens_unpadded: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token labels for an already packed buffer, never crossing a sequence boundary.
 
     Args:
         input_ids: integer ``[T]``, the packed tokens.
-        cu_seqlens: integer ``[B + 1]``, the buffer's sequence boundaries (starting with 0, ending at T).
+        cu_seqlens: integer ``[B + 1]`` or ``[1, B + 1]``, the real (unpadded) sequence boundaries,
+            starting with 0. Without `cu_seqlens_padded` they are also the buffer layout and must end at T.
         loss_mask: bool or 0/1 ``[T]`` aligned with `input_ids`: which tokens are *targets* (e.g. the
             response tokens). None: every token is. The first token of a sequence is never a target,
             whatever its mask says, because nothing in its sequence precedes it.
         ignore_index: label of positions that predict nothing.
-        cu_seqlens_unpadded: when the buffer holds padded slots, the real lengths; padding tokens are then
-            never targets. None: every position is a real token.
+        cu_seqlens_padded: when the buffer holds padded slots, their boundaries (the buffer layout,
+            ending at T); padding positions are then never targets. None: the buffer has no padding
+            (``cu_seqlens_padded = cu_seqlens``).
 
     Returns:
         int64 ``[T]``: ``labels[i] = input_ids[i + 1]`` when ``i + 1`` is in the same sequence, is a real
@@ -165,13 +204,18 @@ def shift_labels(
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D (a packed buffer), got shape {tuple(input_ids.shape)}")
     n = input_ids.numel()
-    check_cu_seqlens(cu_seqlens, n)
+    if cu_seqlens_padded is None:
+        check_cu_seqlens(cu_seqlens, n, name="cu_seqlens")
+        layout = cu_seqlens
+    else:
+        check_cu_seqlens(cu_seqlens_padded, n, name="cu_seqlens_padded")
+        layout = cu_seqlens_padded
     target = torch.ones(n, dtype=torch.bool, device=input_ids.device)
     if loss_mask is not None:
         target &= _check_mask(loss_mask, n, "loss_mask").to(input_ids.device)
-    if cu_seqlens_unpadded is not None:
-        target &= token_mask(cu_seqlens, cu_seqlens_unpadded)
-    seq = sequence_ids(cu_seqlens)
+    if cu_seqlens_padded is not None:
+        target &= token_mask(cu_seqlens, cu_seqlens_padded).to(input_ids.device)
+    seq = sequence_ids(layout).to(input_ids.device)
     labels = torch.full((n,), ignore_index, dtype=torch.long, device=input_ids.device)
     if n > 1:
         scored = target[1:] & (seq[1:] == seq[:-1])
@@ -247,15 +291,14 @@ def pack(
     def cumulative(lengths: list[int]) -> torch.Tensor:
         return torch.tensor([0, *lengths], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
 
-    cu_seqlens, cu_seqlens_unpadded = cumulative(padded), cumulative(real)
-    # padding is already excluded from `target`, so no need to pass cu_seqlens_unpadded here
-    labels = shift_labels(input_ids, cu_seqlens, target, ignore_index)
+    cu_seqlens, cu_seqlens_padded = cumulative(real), cumulative(padded)
+    labels = shift_labels(input_ids, cu_seqlens, target, ignore_index, cu_seqlens_padded=cu_seqlens_padded)
     return PackedBatch(
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
-        cu_seqlens_unpadded=cu_seqlens_unpadded,
+        cu_seqlens_padded=cu_seqlens_padded,
         max_seqlen=max(padded),
         loss_mask=labels != ignore_index,
     )

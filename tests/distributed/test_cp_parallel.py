@@ -45,7 +45,7 @@ def make_batch(which: str, pad: int = PAD) -> tuple[PackedBatch, torch.Tensor]:
     batch = pack(seqs, masks, pad_to_multiple_of=pad)
     logits = torch.randn(batch.input_ids.numel(), V, generator=g)  # padding rows: arbitrary values
     for b, lg in enumerate(seq_logits):
-        s = int(batch.cu_seqlens[b])
+        s = int(batch.cu_seqlens_padded[b])
         logits[s : s + lg.shape[0]] = lg
     return batch, logits
 
@@ -71,7 +71,7 @@ def cp_loss(batch: PackedBatch, logits: torch.Tensor, cp_group, *, mean_group, t
     """CP-local (and optionally vocab-parallel) loss and its gradient on this rank's slice."""
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     local = cp.split_batch(batch, cp_size, cp_rank)
-    x = cp.split(logits, batch.cu_seqlens, cp_size, cp_rank)
+    x = cp.split(logits, batch.cu_seqlens_padded, cp_size, cp_rank)
     if tp_group is not None:
         tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         cols = V // tp_size
@@ -81,10 +81,10 @@ def cp_loss(batch: PackedBatch, logits: torch.Tensor, cp_group, *, mean_group, t
     loss.backward()
     logprobs, entropy = token_logprobs(x.detach(), local["labels"], tp_group=tp_group, return_entropy=True)
     return {
-        "index": cp.partition_index(batch.cu_seqlens, cp_size, cp_rank),
+        "index": cp.partition_index(batch.cu_seqlens_padded, cp_size, cp_rank),
         "loss": loss.item(),
         "grad": x.grad,
-        "gathered_grad": cp.gather(x.grad, batch.cu_seqlens, cp_group),
+        "gathered_grad": cp.gather(x.grad, batch.cu_seqlens_padded, cp_group),
         "logprobs": logprobs,
         "entropy": entropy,
     }
@@ -93,7 +93,7 @@ def cp_loss(batch: PackedBatch, logits: torch.Tensor, cp_group, *, mean_group, t
 def cp_metrics(batch: PackedBatch, logits: torch.Tensor, cp_group, group, *, extra_group=None) -> dict:
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     local = cp.split_batch(batch, cp_size, cp_rank)
-    x = cp.split(logits, batch.cu_seqlens, cp_size, cp_rank)
+    x = cp.split(logits, batch.cu_seqlens_padded, cp_size, cp_rank)
     tracker = StatsTracker(group=group)
     record(tracker, local, x, cp_group=cp_group, num_sequences=batch.num_sequences)
     if extra_group is not None:  # the same perplexity averaged over another group that spans the sequences
@@ -180,18 +180,18 @@ def worker(rank: int, world_size: int) -> dict:
     out["dp2cp2_metrics"] = cp_metrics(*mine, pair, world, extra_group=strided[rank % 2])
 
     # gather's backward hands each rank its own slice of the gradient, not cp_size times it
-    x = cp.split(logits_a, a.cu_seqlens, 4, rank).clone().requires_grad_()
+    x = cp.split(logits_a, a.cu_seqlens_padded, 4, rank).clone().requires_grad_()
     w = torch.arange(logits_a.numel(), dtype=torch.float32).view_as(logits_a)
-    (cp.gather(x, a.cu_seqlens, world) * w).sum().backward()
+    (cp.gather(x, a.cu_seqlens_padded, world) * w).sum().backward()
     out["gather_grad"] = x.grad
     # with sum_grads each rank uses the gathered tensor with its own weights (as attention's queries read
     # every rank's keys): a position's gradient is the sum of every rank's
-    x = cp.split(logits_a, a.cu_seqlens, 4, rank).clone().requires_grad_()
-    (cp.gather(x, a.cu_seqlens, world, sum_grads=True) * (w * (rank + 1))).sum().backward()
+    x = cp.split(logits_a, a.cu_seqlens_padded, 4, rank).clone().requires_grad_()
+    (cp.gather(x, a.cu_seqlens_padded, world, sum_grads=True) * (w * (rank + 1))).sum().backward()
     out["gather_sum_grad"] = x.grad
     out["gather_dim1"] = cp.gather(
-        cp.split(logits_a.T.contiguous(), a.cu_seqlens, 4, rank, dim=1, layout="contiguous"),
-        a.cu_seqlens,
+        cp.split(logits_a.T.contiguous(), a.cu_seqlens_padded, 4, rank, dim=1, layout="contiguous"),
+        a.cu_seqlens_padded,
         world,
         dim=1,
         layout="contiguous",
@@ -225,8 +225,8 @@ def reference_metrics(batches: list[tuple[PackedBatch, torch.Tensor]]) -> dict[s
         lp = torch.where(valid, logp.gather(1, batch.labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
         total_lp += lp.sum().item()
         n_valid += int(valid.sum())
-        n_tokens += int(batch.cu_seqlens_unpadded[-1])
-        for s, e in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
+        n_tokens += int(batch.cu_seqlens[-1])
+        for s, e in zip(batch.cu_seqlens_padded[:-1].tolist(), batch.cu_seqlens_padded[1:].tolist()):
             if valid[s:e].any():
                 ppls.append(math.exp(-lp[s:e].sum().item() / valid[s:e].sum().item()))
     return {
@@ -331,7 +331,7 @@ def test_gather_with_sum_grads_gives_each_rank_the_sum_over_ranks_of_its_positio
     every_rank = sum(w * (r + 1) for r in range(4))  # rank r weighted the gathered tensor by w * (r + 1)
     for rank, r in enumerate(results):
         torch.testing.assert_close(
-            r["gather_sum_grad"], every_rank[cp.partition_index(batch.cu_seqlens, 4, rank)]
+            r["gather_sum_grad"], every_rank[cp.partition_index(batch.cu_seqlens_padded, 4, rank)]
         )
 
 
@@ -339,8 +339,22 @@ def test_gather_backward_returns_each_ranks_own_gradient_slice_unscaled(results)
     batch, logits = make_batch("A")
     w = torch.arange(logits.numel(), dtype=torch.float32).view_as(logits)
     for rank, r in enumerate(results):
-        torch.testing.assert_close(r["gather_grad"], w[cp.partition_index(batch.cu_seqlens, 4, rank)])
+        torch.testing.assert_close(r["gather_grad"], w[cp.partition_index(batch.cu_seqlens_padded, 4, rank)])
         torch.testing.assert_close(r["gather_dim1"], logits.T)
+
+
+def test_every_stage_gets_both_boundaries_under_transformer_engines_names():
+    boundaries = ["cu_seqlens", "cu_seqlens_padded", "max_seqlen"]  # real, padded (the layout), longest slot
+    assert list(pipeline_stage_keys("middle")) == boundaries
+    assert list(pipeline_stage_keys("first")) == ["input_ids", "position_ids", *boundaries]
+    assert list(pipeline_stage_keys("last")) == ["labels", "loss_mask", *boundaries]
+    assert set(pipeline_stage_keys("only")) == {
+        "input_ids",
+        "position_ids",
+        "labels",
+        "loss_mask",
+        *boundaries,
+    }
 
 
 @pytest.mark.parametrize("stage", ["first", "middle", "last", "only"])

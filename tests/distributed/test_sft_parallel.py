@@ -3,7 +3,8 @@
 All layouts run inside ONE 4-process launch (each launch costs seconds of imports and group set-up):
 DP=2 x CP=2 and TP=2 x CP=2 over all four ranks, then CP=2 on ranks {0, 1} and TP=2 on ranks {2, 3} at
 the same time, then TP=2 with the naive logits head on ranks {0, 1}. The single-process reference runs in the test process itself. The
-memory profiler and the world-size check ride along in the same launch.
+memory profiler and the world-size check ride along in the same launch. Everything runs on the CPU with gloo
+(device pinned), also on a machine with GPUs.
 
 Tolerances (fp32): the step-1 loss and gradient norm, and every later step's loss (STEPS steps of AdamW),
 agree with one process to rtol 1e-5. Only the order of summation differs (attention over the gathered
@@ -85,6 +86,28 @@ def _worker(rank: int, world: int, port: int, out_dir: str, tokenizer: str) -> N
         dist.destroy_process_group()
 
 
+def _launch(worker, nprocs: int, *args) -> None:
+    """Start `nprocs` CPU/gloo processes running ``worker(rank, nprocs, *args)``.
+
+    Without CUDA: fork, so the children inherit the imported torch/transformers instead of importing them
+    again (seconds each on a 2-core machine). Where CUDA is available, this process may already have
+    initialised it (transformers queries the device while building a model), and a forked child cannot use
+    CUDA after that: spawn instead, with the GPUs hidden, since everything here runs on the CPU.
+    """
+    if not torch.cuda.is_available():
+        mp.start_processes(worker, args=(nprocs, *args), nprocs=nprocs, start_method="fork")
+        return
+    hidden_before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read by the children at start-up
+    try:
+        mp.start_processes(worker, args=(nprocs, *args), nprocs=nprocs, start_method="spawn")
+    finally:
+        if hidden_before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden_before
+
+
 @pytest.fixture(scope="module")
 def runs():
     """The single-process reference and every rank's results of the 4-process launch."""
@@ -95,9 +118,7 @@ def runs():
         torch.set_num_threads(1)  # the 2-core CI machine: more threads only contend
         try:
             reference = _train(Trainer(cfg, Mesh(), torch.device("cpu"), prepared))
-            # fork: the children inherit the imported torch/transformers instead of importing them again
-            mp.start_processes(_worker, args=(4, free_port(), out_dir, os.path.join(out_dir, "tokenizer.json")),
-                               nprocs=4, start_method="fork")  # fmt: skip
+            _launch(_worker, 4, free_port(), out_dir, os.path.join(out_dir, "tokenizer.json"))
         finally:
             torch.set_num_threads(threads)
         per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(4)]

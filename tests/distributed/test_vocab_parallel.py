@@ -242,22 +242,21 @@ def test_every_rank_of_a_tp_group_returns_the_same_per_token_outputs(ranks):
                 assert all(torch.equal(first, ranks[r][key][name]) for r in members[1:]), (key, name)
 
 
-def test_forward_uses_one_max_and_one_sum_per_chunk_and_backward_none(ranks):
+def test_forward_uses_one_agreement_gather_then_one_max_and_one_sum_per_chunk_and_backward_none(ranks):
     per_chunk = [("all_reduce", str(dist.ReduceOp.MAX)), ("all_reduce", str(dist.ReduceOp.SUM))]
-    for rank in range(4):
-        got = ranks[rank]["even"]
-        for op in ("logprobs", "entropy", "ce"):
-            assert got[f"fwd_{op}_collectives"] == per_chunk * N_CHUNKS, (rank, op)
-            assert got[f"bwd_{op}_collectives"] == [], (rank, op)
-
-
-def test_explicit_vocab_start_adds_one_all_gather_per_call(ranks):
-    per_chunk = [("all_reduce", str(dist.ReduceOp.MAX)), ("all_reduce", str(dist.ReduceOp.SUM))]
-    for rank in range(4):
-        got = ranks[rank]["uneven"]
-        for op in ("logprobs", "entropy", "ce"):
-            assert got[f"fwd_{op}_collectives"] == [("all_gather", "")] + per_chunk * N_CHUNKS, (rank, op)
-            assert got[f"bwd_{op}_collectives"] == [], (rank, op)
+    for key in (
+        "even",
+        "uneven",
+    ):  # the rank-agreement gather also tiles uneven shards: one gather either way
+        for rank in range(4):
+            got = ranks[rank][key]
+            for op in ("logprobs", "entropy", "ce"):
+                assert got[f"fwd_{op}_collectives"] == [("all_gather", "")] + per_chunk * N_CHUNKS, (
+                    key,
+                    rank,
+                    op,
+                )
+                assert got[f"bwd_{op}_collectives"] == [], (key, rank, op)
 
 
 def test_uneven_shards_with_explicit_vocab_start_match_the_unsharded_computation(ranks):

@@ -1,9 +1,11 @@
 """``lmloss bench``: time and peak memory of forward+backward, lmloss against naive PyTorch and peers.
 
-Flags left unset take each workload's default, which together make the default sweep (about a minute on two
-CPU cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32 and bf16 (naive, chunk 1024,
-chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab fp32 (naive, lmloss fused at
-``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor). Each configuration: one tracked
+Flags left unset take each workload's default for the device, which together make the default sweep.
+On CPU (about a minute on two cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32 and
+bf16 (naive, chunk 1024, chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab fp32
+(naive, lmloss fused at ``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor).
+On CUDA: logits [32768, 128256] bf16 and the fused head at 8192 and 16384 tokens x 4096 hidden x 128256
+vocab bf16, every impl, lmloss's Triton and PyTorch kernels side by side. Each configuration: one tracked
 run (peak memory, check against naive) and 2 timed runs.
 """
 
@@ -14,15 +16,23 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lmloss.bench.impls import DTYPES, IMPLS_BY_WORKLOAD, WORKLOADS, parse_chunk
+from lmloss.bench.impls import DEFAULT_IMPLS, DTYPES, IMPLS_BY_WORKLOAD, KERNELS, WORKLOADS, parse_chunk
 
-#: Per-workload defaults for flags the user leaves unset.
-DEFAULTS: dict[str, dict[str, list]] = {
-    "logits": {"tokens": [2048, 4096], "dtype": ["float32", "bfloat16"], "chunk": [1024, None]},
-    "fused": {"tokens": [2048], "dtype": ["float32"], "chunk": ["auto"]},
+#: Per-device, per-workload defaults for flags the user leaves unset.
+DEFAULTS: dict[str, dict[str, dict[str, list]]] = {
+    "cpu": {
+        "logits": {"tokens": [2048, 4096], "dtype": ["float32", "bfloat16"], "chunk": [1024, None]},
+        "fused": {"tokens": [2048], "dtype": ["float32"], "chunk": ["auto"]},
+    },
+    "cuda": {  # the shapes of the GPU issues' tables: Llama-3's vocabulary, bf16
+        "logits": {"tokens": [32768], "dtype": ["bfloat16"], "chunk": [1024]},
+        "fused": {"tokens": [8192, 16384], "dtype": ["bfloat16"], "chunk": ["auto"]},
+    },
 }
-DEFAULT_VOCAB = [32000]
-DEFAULT_HIDDEN = [256]
+DEFAULT_VOCAB = {"cpu": [32000], "cuda": [128256]}
+DEFAULT_HIDDEN = {"cpu": [256], "cuda": [4096]}
+DEFAULT_KERNELS = {"cpu": ["torch"], "cuda": ["triton", "torch"]}
+BENCH_EXTRA_HINT = "pip install 'lmloss[bench]'"
 
 
 def _int_list(text: str) -> list[int]:
@@ -70,30 +80,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="logits ([T, V] -> loss) and/or fused ([T, H] x [V, H] -> loss) (default: both)",
     )
     p.add_argument(
-        "--tokens", type=_int_list, help="T, comma-separated (default: 2048,4096 logits; 2048 fused)"
+        "--tokens",
+        type=_int_list,
+        help="T, comma-separated (default: CPU 2048,4096 logits, 2048 fused; CUDA 32768 logits, 8192,16384 fused)",
     )
-    p.add_argument(
-        "--vocab", type=_int_list, default=DEFAULT_VOCAB, help="V, comma-separated (default: 32000)"
-    )
-    p.add_argument(
-        "--hidden", type=_int_list, default=DEFAULT_HIDDEN, help="H for the fused workload (default: 256)"
-    )
+    p.add_argument("--vocab", type=_int_list, help="V, comma-separated (default: CPU 32000; CUDA 128256)")
+    p.add_argument("--hidden", type=_int_list, help="H for the fused workload (default: CPU 256; CUDA 4096)")
     p.add_argument(
         "--dtype",
         type=_choice_list(tuple(DTYPES)),
-        help="float32,bfloat16,float16 (default: float32,bfloat16 logits; float32 fused)",
+        help="float32,bfloat16,float16 (default: CPU float32,bfloat16 logits, float32 fused; CUDA bfloat16)",
     )
     p.add_argument(
         "--chunk",
         type=_chunk_list,
         help="lmloss chunk sizes: integers, 'none', 'auto' (fused only) "
-        "(default: 1024,none logits; auto fused)",
+        "(default: CPU 1024,none logits; CUDA 1024 logits; auto fused)",
     )
     p.add_argument(
         "--impl",
         type=_choice_list(ALL_IMPLS),
-        default=ALL_IMPLS,
-        help=f"which impls to run, of {', '.join(ALL_IMPLS)} (default: all that apply)",
+        help=f"which impls to run, of {', '.join(ALL_IMPLS)} (default: CPU the README's table's; CUDA all)",
+    )
+    p.add_argument(
+        "--kernel",
+        type=_choice_list(KERNELS),
+        help="lmloss's implementations to run its rows with (its impl=): torch,triton "
+        "(default: CPU torch; CUDA triton,torch)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (default: 2)")
@@ -123,19 +136,25 @@ def config_from_args(args: argparse.Namespace):
     """Resolve per-workload defaults into a `SweepConfig`."""
     from lmloss.bench.runner import SweepConfig
 
-    def per_workload(flag: str, value) -> dict[str, list]:
-        return {w: list(value) if value is not None else list(DEFAULTS[w][flag]) for w in WORKLOADS}
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
 
-    impls = {w: [n for n in args.impl if n in IMPLS_BY_WORKLOAD[w]] for w in WORKLOADS}
+    def per_workload(flag: str, value) -> dict[str, list]:
+        return {w: list(value) if value is not None else list(DEFAULTS[kind][w][flag]) for w in WORKLOADS}
+
+    if args.impl is None:
+        impls = {w: list(DEFAULT_IMPLS[kind][w]) for w in WORKLOADS}
+    else:
+        impls = {w: [n for n in args.impl if n in IMPLS_BY_WORKLOAD[w]] for w in WORKLOADS}
     return SweepConfig(
         workloads=[w for w in WORKLOADS if w in args.workload and impls[w]],
         tokens=per_workload("tokens", args.tokens),
-        vocab=list(args.vocab),
-        hidden=list(args.hidden),
+        vocab=list(args.vocab or DEFAULT_VOCAB[kind]),
+        hidden=list(args.hidden or DEFAULT_HIDDEN[kind]),
         dtypes=per_workload("dtype", args.dtype),
         chunks=per_workload("chunk", args.chunk),
         impls=impls,
         device=args.device,
+        kernels=list(args.kernel or DEFAULT_KERNELS[kind]),
         repeats=args.repeats,
         warmup=args.warmup,
         max_memory_mib=args.max_memory_mib,
@@ -171,11 +190,19 @@ def main(args: argparse.Namespace) -> int:
         write_json(args.out / "results.json", rows, meta)
         write_csv(args.out / "results.csv", rows)
         written = ["results.json", "results.csv"]
+        no_plots = None
         if not args.no_plots:
             from lmloss.bench.plots import plot_results
 
-            written += [p.name for p in plot_results(rows, args.out)]
+            try:
+                written += [p.name for p in plot_results(rows, args.out)]
+            except ImportError as err:  # matplotlib (or a part of it) is not installed
+                no_plots = (
+                    f"no plots: {err.name or 'matplotlib'} is not installed ({BENCH_EXTRA_HINT} gives them)"
+                )
         print(f"\nwrote {', '.join(written)} to {args.out}")
+        if no_plots:
+            print(no_plots)
     return 0
 
 

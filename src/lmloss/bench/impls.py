@@ -1,15 +1,27 @@
 """What the bench compares: workloads, their inputs, and each implementation behind one calling shape.
 
 Every implementation is an `Impl` whose ``step(inputs)`` runs one forward *and* backward on leaf tensors
-with no gradient yet and returns the scalar loss (or None for the matmul floor, which computes no loss). The runner reads
-the gradients off the leaves. Peers (Megatron-core, Cut Cross-Entropy, Liger, torch's own fused op) are
-adapters here; when one cannot run, `Impl.unavailable` says why and the runner lists it as skipped.
+with no gradient yet and returns the scalar loss (or None for the matmul floor, which computes no loss). The
+runner reads the gradients off the leaves (or, for the in-place rows, where `Impl.grads_of` says). Peers
+(Megatron-core, Cut Cross-Entropy, Liger, torch's own fused op, ``torch.compile``) are adapters here; when one
+cannot run, `Impl.unavailable` says why and the runner lists it as skipped.
+
+Each impl computes one *objective*, and is checked against the naive row of the same objective:
+
+* ``logprobs``: ``sum_t log p(y_t)`` (logits workload; lmloss's ``cross_entropy(reduction="sum")`` rows
+  return its negative);
+* ``logprobs+entropy``: ``sum_t log p(y_t) + ENTROPY_COEF * sum_t H_t`` (logits workload);
+* ``ce``: ``mean_t -log p(y_t)`` (fused workload);
+* ``rl``: ``sum_t u_t log p_T(y_t) + ENTROPY_COEF * sum_t H_T,t`` at temperature ``TEMPERATURE`` with a
+  per-token upstream ``u`` (fused workload: what an RL policy loss hands the LM head).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import os
 import warnings
 from collections.abc import Callable
 
@@ -22,6 +34,19 @@ from lmloss.distributed import free_port
 WORKLOADS = ("logits", "fused")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: lmloss's two implementations of the per-chunk math (``impl=`` of every op), as ``--kernel`` names them.
+KERNELS = ("torch", "triton")
+
+ENTROPY_COEF = 0.1  # weight of the entropy term in the ``logprobs+entropy`` and ``rl`` objectives
+TEMPERATURE = 0.7  # temperature of the ``rl`` objective
+
+
+def _triton_device_reason(kernel: str, device: str) -> str | None:
+    """Triton kernels run on CUDA tensors, or on CPU ones only under Triton's interpreter."""
+    if kernel != "triton" or device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "lmloss's Triton kernels run on CUDA (on CPU only under TRITON_INTERPRET=1, set before start)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +70,14 @@ class Inputs:
     """Leaf tensors of one run. Logits workload: ``logits [T, V]``; fused: ``hidden [T, H]``, ``weight [V, H]``.
 
     ``labels [T]`` int64, all valid (Megatron's op has no ignore_index, so the comparison stays fair).
+    ``upstream [T]`` fp32 (fused workload): the per-token gradient of the ``rl`` objective.
     """
 
     labels: torch.Tensor
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
+    upstream: torch.Tensor | None = None
 
     @property
     def leaves(self) -> dict[str, torch.Tensor]:
@@ -60,12 +87,14 @@ class Inputs:
 
     @property
     def nbytes(self) -> int:
-        return self.labels.nbytes + sum(t.nbytes for t in self.leaves.values())
+        extra = self.upstream.nbytes if self.upstream is not None else 0
+        return self.labels.nbytes + extra + sum(t.nbytes for t in self.leaves.values())
 
     def fresh(self) -> Inputs:
-        """New leaves with the same values, for impls that overwrite their input (Megatron, fp32)."""
+        """New leaves with the same values, for impls that overwrite their input (Megatron, Liger, fp32)."""
         return Inputs(
             labels=self.labels,
+            upstream=self.upstream,
             **{k: v.detach().clone().requires_grad_(True) for k, v in self.leaves.items()},
         )
 
@@ -105,7 +134,8 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     assert case.hidden is not None
     hidden = torch.randn(case.tokens, case.hidden, generator=gen).to(dev, dt).requires_grad_(True)
     weight = (torch.randn(case.vocab, case.hidden, generator=gen) / case.hidden**0.5).to(dev, dt)
-    return Inputs(labels=labels, hidden=hidden, weight=weight.requires_grad_(True))
+    upstream = torch.randn(case.tokens, generator=gen).to(dev)
+    return Inputs(labels=labels, hidden=hidden, weight=weight.requires_grad_(True), upstream=upstream)
 
 
 Step = Callable[[Inputs], "torch.Tensor | None"]
@@ -113,13 +143,19 @@ Step = Callable[[Inputs], "torch.Tensor | None"]
 
 @dataclasses.dataclass
 class Impl:
-    """One implementation at one chunk setting.
+    """One implementation at one chunk setting (and, for lmloss's rows, one kernel implementation).
 
     name: as given to ``--impl``. chunk: the chunk label shown in the table (``"1024"``, ``"none"``,
-    ``"auto"``) or ``"-"`` for impls without one. step: forward + backward on the given leaves (gradients
-    cleared), returns the loss. unavailable: why it cannot run here, or None. is_reference / is_floor: naive
-    and matmul-floor, the bases of the ratio columns. mutates_inputs: the step writes into its inputs, so
-    each run gets fresh copies.
+    ``"auto"``) or ``"-"`` for impls without one. kernel: ``torch`` / ``triton`` for lmloss's rows (its
+    ``impl=``), ``"-"`` otherwise. step: forward + backward on the given leaves (gradients cleared), returns
+    the loss. unavailable: why it cannot run here, or None. objective: what the loss is (module docstring);
+    rows are checked against the reference of their objective. is_reference / is_floor: the naive row of an
+    objective and the matmul floor, the bases of the check and the ratio columns. mutates_inputs: the step
+    writes into its inputs, so each run gets fresh copies. traffic: logits workload, how many times the
+    ``[T, V]`` logits' bytes must move at the least (3: the forward reads them, the backward reads them and
+    writes the gradient; 2: in-place, one read and one write); the bandwidth column is that over the time.
+    prepare: builds a run's inputs from the case's (default: `Inputs.reuse`, or `Inputs.fresh` when
+    mutates_inputs). grads_of: reads the gradients after the step (default: ``.grad`` of the leaves).
     """
 
     name: str
@@ -129,10 +165,31 @@ class Impl:
     is_reference: bool = False
     is_floor: bool = False
     mutates_inputs: bool = False
+    kernel: str = "-"
+    objective: str = "logprobs"
+    traffic: int | None = None
+    prepare: Callable[[Inputs], Inputs] | None = None
+    grads_of: Callable[[Inputs], dict[str, torch.Tensor]] | None = None
 
     @property
     def label(self) -> str:
-        return self.name if self.chunk == "-" else f"{self.name}[{self.chunk}]"
+        return row_label(self.name, self.chunk, self.kernel)
+
+    def inputs_for_run(self, inputs: Inputs) -> Inputs:
+        if self.prepare is not None:
+            return self.prepare(inputs)
+        return inputs.fresh() if self.mutates_inputs else inputs.reuse()
+
+    def gradients(self, x: Inputs) -> dict[str, torch.Tensor]:
+        if self.grads_of is not None:
+            return self.grads_of(x)
+        return {k: v.grad for k, v in x.leaves.items() if v.grad is not None}
+
+
+def row_label(name: str, chunk: str, kernel: str) -> str:
+    """``name[chunk]``, with ``/triton`` for lmloss's Triton rows (its PyTorch rows keep the plain label)."""
+    label = name if chunk == "-" else f"{name}[{chunk}]"
+    return label + "/triton" if kernel == "triton" else label
 
 
 def parse_chunk(text: str) -> int | str | None:
@@ -162,9 +219,68 @@ def _naive_logits(x: Inputs) -> torch.Tensor:
     return loss.detach()
 
 
-def _chunked_logits(chunk: int | None) -> Step:
+def _naive_logits_entropy(x: Inputs) -> torch.Tensor:
+    logp = F.log_softmax(x.logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    loss = logp.gather(1, x.labels[:, None]).sum() + ENTROPY_COEF * entropy.sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _chunked_logits(chunk: int | None, kernel: dict) -> Step:
     def step(x: Inputs) -> torch.Tensor:
-        loss = lmloss.token_logprobs(x.logits, x.labels, chunk_size=chunk).sum()
+        loss = lmloss.token_logprobs(x.logits, x.labels, chunk_size=chunk, **kernel).sum()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _entropy_logits(chunk: int | None, kernel: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        logp, entropy = lmloss.token_logprobs(
+            x.logits, x.labels, chunk_size=chunk, return_entropy=True, **kernel
+        )
+        loss = logp.sum() + ENTROPY_COEF * entropy.sum()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+class _ModelOutput(torch.autograd.Function):
+    """Stands in for the layer that produced the logits (an ``lm_head``), for the in-place rows.
+
+    lmloss's in-place gradient overwrites its input, which PyTorch allows on a non-leaf only. The forward
+    copies the values (outside the timed region) into a non-leaf; the backward keeps the gradient that
+    arrives in ``sink["logits"]`` (for the check) and sends nothing further.
+    """
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, anchor: torch.Tensor, sink: dict) -> torch.Tensor:
+        ctx.sink = sink
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink["logits"] = grad
+        return None, None, None
+
+
+def _as_model_output(inputs: Inputs) -> Inputs:
+    anchor = torch.zeros((), device=inputs.logits.device, requires_grad=True)
+    sink: dict[str, torch.Tensor] = {}
+    x = Inputs(labels=inputs.labels, logits=_ModelOutput.apply(inputs.logits.detach(), anchor, sink))
+    x.sink = sink  # type: ignore[attr-defined]
+    return x
+
+
+def _inplace_logits(chunk: int | None, kernel: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        # negated: the objective is the summed log-probs, like naive's
+        loss = -lmloss.cross_entropy(
+            x.logits, x.labels, chunk_size=chunk, reduction="sum", inplace_backward=True, **kernel
+        )
         loss.backward()
         return loss.detach()
 
@@ -214,6 +330,62 @@ def _megatron_step(device: str) -> tuple[Step | None, str | None]:
     return step, None
 
 
+def _compile_reason(device: str) -> str | None:
+    """Why ``torch.compile`` cannot run here, or None."""
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    if device.startswith("cuda") and importlib.util.find_spec("triton") is None:
+        return "torch.compile on CUDA needs triton, which is not installed"
+    return None
+
+
+def _compiled_step(
+    expression: Callable, args_of: Callable[[Inputs], tuple], device: str
+) -> tuple[Step | None, str | None]:
+    """``torch.compile(expression)`` (static shapes: one compile per case, in the untimed memory run)."""
+    reason = _compile_reason(device)
+    if reason:
+        return None, reason
+    compiled = torch.compile(expression, dynamic=False)
+
+    def step(x: Inputs) -> torch.Tensor:
+        loss = compiled(*args_of(x))
+        loss.backward()
+        return loss.detach()
+
+    return step, None
+
+
+def _naive_logprobs_expression(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), dim=-1).gather(1, labels[:, None]).sum()
+
+
+def _needs_cuda(device: str, what: str) -> str | None:
+    if not device.startswith("cuda"):
+        return f"{what} runs Triton kernels on CUDA only"
+    if importlib.util.find_spec("triton") is None:
+        return f"{what} needs triton, which is not installed"
+    return None
+
+
+def _liger_ce_step(device: str) -> tuple[Step | None, str | None]:
+    reason = _needs_cuda(device, "Liger")
+    if reason:
+        return None, reason
+    try:
+        loss_cls = importlib.import_module("liger_kernel.transformers").LigerCrossEntropyLoss
+    except Exception as err:
+        return None, f"liger-kernel not importable ({type(err).__name__}: {err})"
+
+    def step(x: Inputs) -> torch.Tensor:
+        # Liger writes the gradient into its input during the forward (hence fresh inputs per run)
+        loss = -loss_cls(reduction="sum")(x.logits, x.labels)
+        loss.backward()
+        return loss.detach()
+
+    return step, None
+
+
 # ------------------------------------------------------------------------------------------ fused workload
 
 
@@ -224,13 +396,34 @@ def _naive_fused(x: Inputs) -> torch.Tensor:
     return loss.detach()
 
 
-def _lmloss_fused(chunk: int | str | None) -> Step | None:
-    fn = getattr(lmloss, "linear_cross_entropy", None)
-    if fn is None:
-        return None
+def _naive_ce_expression(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((hidden @ weight.T).float(), labels)
 
+
+def _naive_fused_rl(x: Inputs) -> torch.Tensor:
+    logp = F.log_softmax((x.hidden @ x.weight.T).float() / TEMPERATURE, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    loss = (logp.gather(1, x.labels[:, None])[:, 0] * x.upstream).sum() + ENTROPY_COEF * entropy.sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _lmloss_fused(chunk: int | str | None, kwargs: dict) -> Step:
     def step(x: Inputs) -> torch.Tensor:
-        loss = fn(x.hidden, x.weight, x.labels, chunk_size=chunk)
+        loss = lmloss.linear_cross_entropy(x.hidden, x.weight, x.labels, chunk_size=chunk, **kwargs)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _lmloss_fused_rl(chunk: int | str | None, kwargs: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        logp, entropy = lmloss.linear_token_logprobs(
+            x.hidden, x.weight, x.labels, chunk_size=chunk, temperature=TEMPERATURE, return_entropy=True,
+            **kwargs,
+        )  # fmt: skip
+        loss = (logp * x.upstream).sum() + ENTROPY_COEF * entropy.sum()
         loss.backward()
         return loss.detach()
 
@@ -249,14 +442,6 @@ def _torch_fused() -> tuple[Step | None, str | None]:
         return loss.detach()
 
     return step, None
-
-
-def _needs_cuda(device: str, what: str) -> str | None:
-    if not device.startswith("cuda"):
-        return f"{what} runs Triton kernels on CUDA only"
-    if importlib.util.find_spec("triton") is None:
-        return f"{what} needs triton, which is not installed"
-    return None
 
 
 def _cce_step(device: str) -> tuple[Step | None, str | None]:
@@ -297,7 +482,8 @@ def _liger_step(device: str) -> tuple[Step | None, str | None]:
 def _matmul_floor(x: Inputs) -> None:
     """The three matmuls any forward+backward of this shape must do: ``h W^T``, ``G W`` and ``G^T h``.
 
-    The logits stand in for their own gradient G, so there is no softmax at all: a speed floor, not a loss.
+    In the inputs' dtype, as bare ``@``; the logits stand in for their own gradient G, so there is no softmax
+    at all: a speed floor, not a loss.
     """
     with torch.no_grad():
         logits = x.hidden @ x.weight.T
@@ -306,47 +492,152 @@ def _matmul_floor(x: Inputs) -> None:
     return None
 
 
+#: At most this many rows of the weight gradient are compared with float64 (evenly spaced over the vocab).
+WGRAD_SAMPLE_ROWS = 8192
+
+
+def wgrad_sample_rows(vocab: int, device: str) -> torch.Tensor:
+    """The vocabulary rows whose weight gradient the ``wgrad err`` column compares: all, or 8192 spaced."""
+    if vocab <= WGRAD_SAMPLE_ROWS:
+        return torch.arange(vocab, device=device)
+    return torch.linspace(0, vocab - 1, WGRAD_SAMPLE_ROWS, device=device).round().long()
+
+
+def ce_weight_grad_float64(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    block: int = 16384,
+) -> torch.Tensor:
+    """d/dW of ``mean_t -log softmax(h_t W^T)[y_t]`` at vocabulary `rows`, in float64: ``[len(rows), H]``.
+
+    Written out on its own (not lmloss's code): pass 1 walks the vocabulary in blocks for each token block
+    to get every token's float64 log-sum-exp; pass 2 needs only the sampled rows' logits:
+    ``dW[r] = sum_t (softmax_tr - [y_t = r]) h_t / T``. Memory: one ``[1024, block]`` float64 tile.
+    """
+    h64 = hidden.detach().double()
+    n, vocab = h64.shape[0], weight.shape[0]
+    lse = torch.empty(n, dtype=torch.float64, device=h64.device)
+    for s in range(0, n, 1024):
+        hs = h64[s : s + 1024]
+        running = torch.full((hs.shape[0],), -torch.inf, dtype=torch.float64, device=h64.device)
+        for v in range(0, vocab, block):
+            tile = hs @ weight.detach()[v : v + block].double().T
+            running = torch.logaddexp(running, torch.logsumexp(tile, dim=-1))
+        lse[s : s + 1024] = running
+    w_rows = weight.detach()[rows].double()
+    probs = torch.exp(h64 @ w_rows.T - lse[:, None])  # [T, R]
+    probs -= (labels[:, None] == rows[None, :]).double()
+    return (probs.T @ h64) / n
+
+
 # -------------------------------------------------------------------------------------------- the registry
 
-LOGITS_IMPLS = ("naive", "chunked", "megatron")
-FUSED_IMPLS = ("naive", "fused", "torch-fused", "cce", "liger", "matmul-floor")
+LOGITS_IMPLS = ("naive", "chunked", "inplace", "naive-entropy", "entropy", "compile", "liger", "megatron")
+FUSED_IMPLS = (
+    "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "compile", "torch-fused", "cce", "liger",
+    "matmul-floor",
+)  # fmt: skip
 IMPLS_BY_WORKLOAD = {"logits": LOGITS_IMPLS, "fused": FUSED_IMPLS}
-CHUNKED_IMPLS = {"logits": "chunked", "fused": "fused"}
+#: What runs when ``--impl`` is not given: on CPU the sweep of the README's table; on CUDA every row.
+DEFAULT_IMPLS = {
+    "cpu": {"logits": ["naive", "chunked", "megatron"],
+            "fused": ["naive", "fused", "torch-fused", "cce", "liger", "matmul-floor"]},
+    "cuda": {"logits": list(LOGITS_IMPLS), "fused": list(FUSED_IMPLS)},
+}  # fmt: skip
 
 
-def build_impls(workload: str, device: str, names: list[str], chunks: list[int | str | None]) -> list[Impl]:
-    """The impls of `workload` named in `names`, expanded over `chunks` for lmloss's own chunked impl.
+def build_impls(
+    workload: str,
+    device: str,
+    names: list[str],
+    chunks: list[int | str | None],
+    kernels: list[str] = ("torch",),  # type: ignore[assignment]
+) -> list[Impl]:
+    """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels`.
 
-    Naive comes first so that its result is the reference when the others are checked. ``"auto"`` chunking
-    belongs to the fused op only; for the logits workload it is left out.
+    A naive row comes before the rows checked against it. ``"auto"`` chunking belongs to the fused ops
+    only; for the logits workload it is left out.
     """
     out: list[Impl] = []
+
+    def lmloss_rows(name: str, op: str, make: Callable, objective: str, *, extra_kwargs: dict | None = None,
+                    **impl_kw) -> None:  # fmt: skip
+        for kernel in kernels:
+            kw = {"impl": kernel, **(extra_kwargs or {})}
+            reason = _triton_device_reason(kernel, device)
+            for c in chunks:
+                if workload == "logits" and c == "auto":
+                    continue
+                step = None if reason else make(c, kw)
+                out.append(
+                    Impl(name, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
+                )
+
     for name in IMPLS_BY_WORKLOAD[workload]:
         if name not in names:
             continue
         if workload == "logits":
             if name == "naive":
-                out.append(Impl("naive", "-", _naive_logits, is_reference=True))
+                out.append(Impl("naive", "-", _naive_logits, is_reference=True, traffic=3))
             elif name == "chunked":
-                out += [Impl("chunked", chunk_label(c), _chunked_logits(c)) for c in chunks if c != "auto"]
+                lmloss_rows(name, "token_logprobs", _chunked_logits, "logprobs", traffic=3)
+            elif name == "inplace":
+                lmloss_rows(name, "cross_entropy", _inplace_logits, "logprobs",
+                            traffic=2, prepare=_as_model_output, grads_of=lambda x: dict(x.sink))  # fmt: skip
+            elif name == "naive-entropy":
+                out.append(Impl(name, "-", _naive_logits_entropy, is_reference=True, objective="logprobs+entropy",
+                                traffic=3))  # fmt: skip
+            elif name == "entropy":
+                lmloss_rows(name, "token_logprobs", _entropy_logits, "logprobs+entropy", traffic=3)
+            elif name == "compile":
+                step, reason = _compiled_step(
+                    _naive_logprobs_expression, lambda x: (x.logits, x.labels), device
+                )
+                out.append(Impl(name, "-", step, reason, traffic=3))
+            elif name == "liger":
+                out.append(Impl(name, "-", *_liger_ce_step(device), mutates_inputs=True, traffic=2))
             elif name == "megatron":
                 step, reason = _megatron_step(device)
                 # fp32 logits are shifted in place by Megatron's forward (its .float() is then a no-op)
-                out.append(Impl("megatron", "-", step, reason, mutates_inputs=True))
+                out.append(Impl("megatron", "-", step, reason, mutates_inputs=True, traffic=3))
         else:
             if name == "naive":
-                out.append(Impl("naive", "-", _naive_fused, is_reference=True))
+                out.append(Impl("naive", "-", _naive_fused, is_reference=True, objective="ce"))
             elif name == "fused":
-                for c in chunks:
-                    step = _lmloss_fused(c)
-                    reason = None if step else "lmloss.linear_cross_entropy is not in this build"
-                    out.append(Impl("fused", chunk_label(c), step, reason))
+                lmloss_rows(name, "linear_cross_entropy", _lmloss_fused, "ce")
+            elif name == "fused-lowacc":
+                # the weight/bias gradient accumulated in the weight's dtype (made per case in the runner)
+                lmloss_rows(name, "linear_cross_entropy", _lowacc(_lmloss_fused), "ce")
+            elif name == "naive-rl":
+                out.append(Impl(name, "-", _naive_fused_rl, is_reference=True, objective="rl"))
+            elif name == "fused-rl":
+                lmloss_rows(name, "linear_token_logprobs", _lmloss_fused_rl, "rl")
+            elif name == "compile":
+                step, reason = _compiled_step(
+                    _naive_ce_expression, lambda x: (x.hidden, x.weight, x.labels), device
+                )
+                out.append(Impl(name, "-", step, reason, objective="ce"))
             elif name == "torch-fused":
-                out.append(Impl("torch-fused", "-", *_torch_fused()))
+                out.append(Impl("torch-fused", "-", *_torch_fused(), objective="ce"))
             elif name == "cce":
-                out.append(Impl("cce", "-", *_cce_step(device)))
+                out.append(Impl("cce", "-", *_cce_step(device), objective="ce"))
             elif name == "liger":
-                out.append(Impl("liger", "-", *_liger_step(device)))
+                out.append(Impl("liger", "-", *_liger_step(device), objective="ce"))
             elif name == "matmul-floor":
-                out.append(Impl("matmul-floor", "-", _matmul_floor, is_floor=True))
+                out.append(Impl("matmul-floor", "-", _matmul_floor, is_floor=True, objective="-"))
     return out
+
+
+def _lowacc(make: Callable) -> Callable:
+    """A step maker whose step passes ``weight_grad_dtype=<the weight's dtype>``."""
+
+    def make_lowacc(chunk, kwargs: dict) -> Step:
+        def step(x: Inputs) -> torch.Tensor:
+            return make(chunk, {**kwargs, "weight_grad_dtype": x.weight.dtype})(x)
+
+        return step
+
+    return make_lowacc

@@ -53,13 +53,17 @@ def _spread(r: Result) -> str:
 
 
 TABLE_HEADER = (
-    "workload", "dtype", "tokens", "vocab", "hidden", "impl", "status", "time ms", "spread",
-    "peak MiB", "time/naive", "mem/naive", "time/floor", "check", "note",
+    "workload", "dtype", "tokens", "vocab", "hidden", "impl", "kernel", "status", "time ms", "spread",
+    "peak MiB", "GB/s", "time/naive", "mem/naive", "time/floor", "wgrad err", "check", "note",
 )  # fmt: skip
+NUMERIC_COLUMNS = {"tokens", "vocab", "hidden", "time ms", "spread", "peak MiB", "GB/s", "time/naive", "mem/naive",
+                   "time/floor", "wgrad err"}  # fmt: skip
+#: Left out of the table when no row has a value in them (the CPU default sweep has no Triton rows, etc.).
+OPTIONAL_COLUMNS = {"kernel", "GB/s", "time/floor", "wgrad err"}
 
 
 def format_table(rows: list[Result], *, note_width: int = 60) -> str:
-    """A fixed-width table, one line per row; a blank line between cases."""
+    """A fixed-width table, one line per row; a blank line between cases. Columns: docs/bench_and_profiling.md."""
     lines: list[list[str]] = []
     case_of = []
     for r in rows:
@@ -68,22 +72,27 @@ def format_table(rows: list[Result], *, note_width: int = 60) -> str:
             note = f"loss err {r.loss_err:.1e}, grad err {_num(r.grad_err, '.1e')} > {r.tolerance:.0e}"
         lines.append([
             r.workload, r.dtype, str(r.tokens), str(r.vocab), "-" if r.hidden is None else str(r.hidden),
-            r.label, r.status, _num(r.time_ms, ".1f"), _spread(r), _mib(r.peak_mib),
-            _num(r.time_vs_naive, ".2f"), _num(r.mem_vs_naive, ".2f"), _num(r.time_vs_floor, ".2f"),
-            r.check if r.status == "ok" else "-", note,
+            r.label, r.kernel, r.status, _num(r.time_ms, ".1f"), _spread(r), _mib(r.peak_mib),
+            _num(r.bandwidth_gbs, ".3g"), _num(r.time_vs_naive, ".2f"), _num(r.mem_vs_naive, ".2f"),
+            _num(r.time_vs_floor, ".2f"), _num(r.wgrad_err, ".1e"), r.check if r.status == "ok" else "-", note,
         ])  # fmt: skip
         case_of.append((r.workload, r.dtype, r.tokens, r.vocab, r.hidden))
+    keep = [
+        i for i, h in enumerate(TABLE_HEADER)
+        if h not in OPTIONAL_COLUMNS or any(line[i] != "-" for line in lines)
+    ]  # fmt: skip
+    header = [TABLE_HEADER[i] for i in keep]
+    lines = [[line[i] for i in keep] for line in lines]
     widths = [
-        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-        for i, h in enumerate(TABLE_HEADER)
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)
     ]
-    numeric = {2, 3, 4, 7, 8, 9, 10, 11, 12}
+    numeric = {i for i, h in enumerate(header) if h in NUMERIC_COLUMNS}
 
-    def fmt(cells: list[str] | tuple[str, ...]) -> str:
+    def fmt(cells: list[str]) -> str:
         out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "  ".join(out).rstrip()
 
-    text = [fmt(TABLE_HEADER), fmt(tuple("-" * w for w in widths))]
+    text = [fmt(header), fmt(["-" * w for w in widths])]
     for i, line in enumerate(lines):
         if i and case_of[i] != case_of[i - 1]:
             text.append("")

@@ -17,7 +17,17 @@ from collections.abc import Iterable
 import torch
 
 import lmloss
-from lmloss.bench.impls import WORKLOADS, Case, Impl, Inputs, build_impls, make_inputs
+from lmloss.bench.impls import (
+    WORKLOADS,
+    Case,
+    Impl,
+    Inputs,
+    build_impls,
+    ce_weight_grad_float64,
+    make_inputs,
+    row_label,
+    wgrad_sample_rows,
+)
 from lmloss.profiling.memory import LiveTensorTracker, MiB, peak_memory
 
 #: Agreement with naive is judged as a relative error (see `relative_error`) under these bounds. fp32 leaves
@@ -37,6 +47,7 @@ class SweepConfig:
     chunks: dict[str, list[int | str | None]]
     impls: dict[str, list[str]]
     device: str = "cpu"
+    kernels: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
     repeats: int = 3
     warmup: int = 0
     max_memory_mib: float | None = None
@@ -57,11 +68,16 @@ class SweepConfig:
 class Result:
     """One row of the results: a case, an impl, and what was measured.
 
-    status: ``ok`` | ``oom`` | ``skipped`` | ``error``. Times are of forward+backward in milliseconds
-    (median, min, max over `repeats`). peak_mib = input_mib + delta_mib, where delta is the peak above
-    the inputs while the step ran. Ratios are against naive (and, for the fused workload, the matmul floor)
-    of the same case. check: ``ref`` (naive itself), ``ok``, ``FAIL`` (loss or a gradient disagrees with naive beyond `tolerance`),
-    ``n/a`` (no loss to check) or ``no-ref`` (naive did not run).
+    kernel: lmloss's implementation of the per-chunk math (``torch`` / ``triton``), ``-`` for other rows.
+    objective: what the loss is (`lmloss.bench.impls`). status: ``ok`` | ``oom`` | ``skipped`` | ``error``.
+    Times are of forward+backward in milliseconds (median, min, max over `repeats`). peak_mib = input_mib +
+    delta_mib, where delta is the peak above the inputs while the step ran. Ratios are against the naive row
+    of the same objective (and, for the fused workload, the matmul floor) of the same case. check: ``ref``
+    (a naive row itself), ``ok``, ``FAIL`` (loss or a gradient disagrees with the naive row beyond
+    `tolerance`), ``n/a`` (no loss to check) or ``no-ref`` (the naive row did not run). bytes_moved /
+    bandwidth_gbs: logits workload, the least bytes the step must move (reads and writes of the ``[T, V]``
+    logits, see the docs) and that over the median time, in GB/s. wgrad_err: fused workload, ``ce`` rows,
+    ``||dW - dW64|| / ||dW64||`` over sampled vocabulary rows, dW64 computed in float64.
     """
 
     workload: str
@@ -72,6 +88,8 @@ class Result:
     device: str
     impl: str
     chunk: str
+    kernel: str = "-"
+    objective: str = "logprobs"
     status: str = "ok"
     time_ms: float | None = None
     time_min_ms: float | None = None
@@ -83,6 +101,9 @@ class Result:
     time_vs_naive: float | None = None
     mem_vs_naive: float | None = None
     time_vs_floor: float | None = None
+    bytes_moved: int | None = None
+    bandwidth_gbs: float | None = None
+    wgrad_err: float | None = None
     check: str = "n/a"
     loss: float | None = None
     loss_err: float | None = None
@@ -92,7 +113,7 @@ class Result:
 
     @property
     def label(self) -> str:
-        return self.impl if self.chunk == "-" else f"{self.impl}[{self.chunk}]"
+        return row_label(self.impl, self.chunk, self.kernel)
 
 
 class SimulatedOOM(MemoryError):
@@ -163,7 +184,7 @@ class _Outcome:
 
 def _tracked_run(impl: Impl, inputs: Inputs, case: Case, cap_mib: float | None) -> tuple[int, _Outcome]:
     """Run once under the memory tracker; return (bytes above the inputs at the peak, loss and grads)."""
-    x = inputs.fresh() if impl.mutates_inputs else inputs.reuse()
+    x = impl.inputs_for_run(inputs)
     if case.device.startswith("cuda"):
         with peak_memory(case.device) as mem:
             loss = impl.step(x)
@@ -176,7 +197,7 @@ def _tracked_run(impl: Impl, inputs: Inputs, case: Case, cap_mib: float | None) 
         with tracker:
             loss = impl.step(x)
         delta = tracker.peak
-    grads = {k: v.grad for k, v in x.leaves.items() if v.grad is not None}
+    grads = impl.gradients(x)
     for t in x.leaves.values():
         t.grad = None  # the outcome holds them now; the next run starts without
     return delta, _Outcome(loss, grads)
@@ -185,7 +206,7 @@ def _tracked_run(impl: Impl, inputs: Inputs, case: Case, cap_mib: float | None) 
 def _timed_runs(impl: Impl, inputs: Inputs, case: Case, repeats: int, warmup: int) -> list[float]:
     times = []
     for i in range(warmup + repeats):
-        x = inputs.fresh() if impl.mutates_inputs else inputs.reuse()
+        x = impl.inputs_for_run(inputs)
         _sync(case.device)
         start = time.perf_counter()
         impl.step(x)
@@ -220,23 +241,50 @@ def _check(row: Result, outcome: _Outcome, ref: _Outcome | None, tol: float) -> 
         row.note = f"no gradient for {', '.join(missing)}"
 
 
+def relative_norm_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||got - ref|| / ||ref||`` (Frobenius), in float64."""
+    ref = ref.double()
+    return float(
+        torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300)
+    )
+
+
+@dataclasses.dataclass
+class _WeightGradReference:
+    """The float64 weight gradient of the ``ce`` objective at sampled vocabulary rows (fused workload)."""
+
+    rows: torch.Tensor
+    grad64: torch.Tensor
+
+    @classmethod
+    def build(cls, case: Case, inputs: Inputs) -> _WeightGradReference:
+        rows = wgrad_sample_rows(case.vocab, case.device)
+        return cls(rows, ce_weight_grad_float64(inputs.hidden, inputs.weight, inputs.labels, rows))
+
+    def error(self, weight_grad: torch.Tensor) -> float:
+        return relative_norm_error(weight_grad.detach()[self.rows], self.grad64)
+
+
 def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) -> list[Result]:
     """All impls on one case. Inputs are built once and reused (gradients cleared) by every run, except
     that an impl which writes into its inputs gets fresh copies."""
     rows: list[Result] = []
     inputs = make_inputs(case, config.seed)
-    ref: _Outcome | None = None
+    refs: dict[str, _Outcome] = {}  # objective -> the outcome of its naive row
     tol = TOLERANCE[case.dtype]
+    wgrad_ref = None
+    if case.workload == "fused" and any(i.step is not None and i.objective == "ce" for i in impls):
+        wgrad_ref = _WeightGradReference.build(case, inputs)
     for impl in impls:
         row = Result(
             case.workload, case.tokens, case.vocab, case.hidden, case.dtype, case.device, impl.name, impl.chunk,
-            input_mib=inputs.nbytes / MiB,
+            kernel=impl.kernel, objective=impl.objective, input_mib=inputs.nbytes / MiB,
         )  # fmt: skip
+        if impl.traffic is not None and inputs.logits is not None:
+            row.bytes_moved = impl.traffic * inputs.logits.nbytes
         rows.append(row)
         if progress is not None:
-            progress.set_postfix_str(
-                f"{case.workload} {case.dtype} T={case.tokens} {impl.label}", refresh=False
-            )
+            progress.set_postfix_str(f"{case.workload} {case.dtype} T={case.tokens} {impl.label}")
         versions = {k: t._version for k, t in inputs.leaves.items()}
         if impl.step is None:
             row.status, row.note = "skipped", impl.unavailable or "unavailable"
@@ -246,8 +294,13 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
                 row.delta_mib = delta / MiB
                 row.peak_mib = row.input_mib + row.delta_mib
                 if impl.is_reference:
-                    ref = outcome
-                _check(row, outcome, ref, tol)
+                    refs[impl.objective] = outcome
+                _check(row, outcome, refs.get(impl.objective), tol)
+                if wgrad_ref is not None and impl.objective == "ce" and "weight" in outcome.grads:
+                    row.wgrad_err = wgrad_ref.error(outcome.grads["weight"])
+                    if impl.is_reference:
+                        rounded = relative_norm_error(wgrad_ref.grad64.to(case.torch_dtype), wgrad_ref.grad64)
+                        row.note = f"dW64 rounded once to {case.dtype}: wgrad err {rounded:.2e}"
                 del outcome
                 _free(case.device)
                 row.times_ms = _timed_runs(impl, inputs, case, config.repeats, config.warmup)
@@ -266,38 +319,67 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
             inputs = make_inputs(case, config.seed)
         if progress is not None:
             progress.update(1)
-    del ref, inputs
+    del refs, inputs, wgrad_ref
     _add_ratios(rows)
     return rows
 
 
 def _add_ratios(rows: list[Result]) -> None:
-    naive = next((r for r in rows if r.impl == "naive" and r.status == "ok"), None)
+    """time/naive and mem/naive against the naive row of each row's objective; time/floor; bandwidth."""
+    naive = {r.objective: r for r in rows if r.check == "ref" and r.status == "ok"}
     floor = next((r for r in rows if r.impl == "matmul-floor" and r.status == "ok"), None)
     for r in rows:
         if r.status != "ok":
             continue
-        if naive is not None:
-            r.time_vs_naive = r.time_ms / naive.time_ms if naive.time_ms else None
-            r.mem_vs_naive = r.peak_mib / naive.peak_mib if naive.peak_mib else None
+        ref = naive.get(r.objective, naive.get("logprobs" if r.workload == "logits" else "ce"))
+        if ref is not None:
+            r.time_vs_naive = r.time_ms / ref.time_ms if ref.time_ms else None
+            r.mem_vs_naive = r.peak_mib / ref.peak_mib if ref.peak_mib else None
         if floor is not None and floor.time_ms:
             r.time_vs_floor = r.time_ms / floor.time_ms
+        if r.bytes_moved is not None and r.time_ms:
+            r.bandwidth_gbs = r.bytes_moved / (r.time_ms * 1e-3) / 1e9
+
+
+class PlainProgress:
+    """What `run_sweep` shows on stderr when tqdm is not installed: one line per finished run."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done, self.current = total, desc, 0, ""
+
+    def set_postfix_str(self, text: str) -> None:
+        self.current = text
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        print(f"{self.desc}: {self.done}/{self.total} {self.current}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int):
+    """A tqdm bar on stderr, or `PlainProgress` lines where tqdm is missing (it comes with lmloss[bench])."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return PlainProgress(total, "lmloss bench")
+    bar = tqdm(total=total, desc="lmloss bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    bar.set_postfix_str = lambda text, _set=bar.set_postfix_str: _set(text, refresh=False)  # type: ignore[method-assign]
+    return bar
 
 
 def run_sweep(config: SweepConfig, *, show_progress: bool = True) -> list[Result]:
-    """Every case of `config` against every selected impl. tqdm shows progress on stderr."""
+    """Every case of `config` against every selected impl; progress on stderr (a tqdm bar, or plain lines)."""
     plan = []
     for case in config.cases():
         impls = build_impls(
-            case.workload, case.device, config.impls[case.workload], config.chunks[case.workload]
-        )
+            case.workload, case.device, config.impls[case.workload], config.chunks[case.workload],
+            config.kernels,
+        )  # fmt: skip
         plan.append((case, impls))
     total = sum(len(impls) for _, impls in plan)
-    progress = None
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=total, desc="lmloss bench", unit="run", file=sys.stderr, dynamic_ncols=True)
+    progress = _progress(total) if show_progress else None
     rows: list[Result] = []
     try:
         for case, impls in plan:

@@ -16,7 +16,7 @@ rank, not for attention.)
 The model receives the per-micro-batch facts through a keyword argument, ``model.model(...,
 packed=PackedAttention(...))``, which transformers forwards untouched to the attention function. The mask
 is ``[T_local, T]`` booleans: fine for the short packed buffers of this trainer; long contexts want a
-varlen flash kernel with ``cu_seqlens`` instead (same gather, different kernel).
+varlen flash kernel with ``cu_seqlens`` / ``cu_seqlens_padded`` instead (same gather, different kernel).
 """
 
 from __future__ import annotations
@@ -38,42 +38,48 @@ ProcessGroup = dist.ProcessGroup
 class PackedAttention:
     """What the attention function needs about the current packed micro-batch.
 
-    cu_seqlens: int32 ``[B + 1]``, the full (padded) buffer's boundaries, the same on every CP rank.
+    cu_seqlens_padded: int32 ``[B + 1]``, the full buffer's padded boundaries (its layout), the same on every
+        CP rank.
     group: the CP group, or None for one rank.
     mask: bool ``[T_local, T]``, True where a local query may attend to a buffer position.
     layout: the `lmloss.cp` layout of the local tokens.
     """
 
-    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
     group: ProcessGroup | None
     mask: torch.Tensor
     layout: str = "zigzag"
 
     @classmethod
     def build(
-        cls, cu_seqlens: torch.Tensor, group: ProcessGroup | None, *, layout: str = "zigzag", device=None
+        cls,
+        cu_seqlens_padded: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        layout: str = "zigzag",
+        device=None,
     ) -> PackedAttention:
         cp_size = 1 if group is None else dist.get_world_size(group)
         cp_rank = 0 if group is None else dist.get_rank(group)
-        mask = packed_causal_mask(cu_seqlens, cp_size, cp_rank, layout=layout)
-        return cls(cu_seqlens=cu_seqlens, group=group, mask=mask.to(device), layout=layout)
+        mask = packed_causal_mask(cu_seqlens_padded, cp_size, cp_rank, layout=layout)
+        return cls(cu_seqlens_padded=cu_seqlens_padded, group=group, mask=mask.to(device), layout=layout)
 
 
 def packed_causal_mask(
-    cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, *, layout: str = "zigzag"
+    cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, *, layout: str = "zigzag"
 ) -> torch.Tensor:
     """bool ``[T / cp_size, T]``: local query ``i`` (global position ``q[i]``) may see key ``j`` iff both are
     in the same packed sequence and ``j <= q[i]``."""
-    cu_seqlens = cu_seqlens.cpu()
-    q_pos = cp.partition_index(cu_seqlens, cp_size, cp_rank, layout)
-    seq = sequence_ids(cu_seqlens)
+    cu_seqlens_padded = cu_seqlens_padded.cpu()
+    q_pos = cp.partition_index(cu_seqlens_padded, cp_size, cp_rank, layout)
+    seq = sequence_ids(cu_seqlens_padded)
     k_pos = torch.arange(seq.numel())
     return (seq[q_pos][:, None] == seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
 
 
 def gather_kv(
     local: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
     group: ProcessGroup | None,
     *,
     dim: int,
@@ -83,7 +89,7 @@ def gather_kv(
 
     Differentiable; the backward sums every rank's gradient for this rank's positions.
     """
-    return cp.gather(local, cu_seqlens, group, dim=dim, layout=layout, sum_grads=True)
+    return cp.gather(local, cu_seqlens_padded, group, dim=dim, layout=layout, sum_grads=True)
 
 
 def cp_attention_forward(
@@ -103,7 +109,7 @@ def cp_attention_forward(
     if packed is None:
         raise ValueError(
             f"attn_implementation={ATTENTION_NAME!r} needs the packed batch: call the model with "
-            "packed=PackedAttention.build(cu_seqlens, cp_group)"
+            "packed=PackedAttention.build(cu_seqlens_padded, cp_group)"
         )
     if sliding_window is not None:
         raise NotImplementedError(
@@ -111,7 +117,9 @@ def cp_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1 (one packed buffer), got {query.shape[0]}")
-    kv = gather_kv(torch.stack([key, value]), packed.cu_seqlens, packed.group, dim=3, layout=packed.layout)
+    kv = gather_kv(
+        torch.stack([key, value]), packed.cu_seqlens_padded, packed.group, dim=3, layout=packed.layout
+    )
     key, value = kv[0], kv[1]
     if key.shape[1] != query.shape[1]:  # grouped-query attention: share each K/V head between query heads
         repeats = query.shape[1] // key.shape[1]

@@ -43,7 +43,8 @@ HELP = {
     "grad_clip": "clip the global gradient norm to this; 0: off",
     "seed": "seed of the model initialisation and the data order",
     "shuffle": "shuffle the examples every epoch",
-    "device": "auto, cpu or cuda (cuda: one GPU per process, NCCL)",
+    "device": "auto, cpu or cuda (cuda: one GPU per local process, NCCL; auto: cuda when every local "
+    "process gets its own GPU, else cpu with gloo)",
     "dtype": "float32 or bfloat16 parameters",
     "log_every": "print a metrics line every N steps",
     "progress": "show a progress bar",

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 
 from lmloss.sft.config import SFTConfig
-from lmloss.sft.parallel import Mesh, launched_by_torchrun, pick_device, run_distributed, spawn
+from lmloss.sft.parallel import (
+    Mesh,
+    launched_by_torchrun,
+    pick_device,
+    resolve_device,
+    run_distributed,
+    spawn,
+)
 from lmloss.sft.trainer import PreparedData, Trainer, prepare_data
 
 
@@ -41,13 +48,25 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
                 f"dp*cp*tp = {cfg.dp}*{cfg.cp}*{cfg.tp} = {cfg.world_size} does not match the world size {world} "
                 "of this torchrun launch"
             )
-        summary = run_distributed(train, cfg.device, cfg, prepare_data(cfg))
+        device = _device_for(
+            cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)), announce=os.environ["RANK"] == "0"
+        )
+        summary = run_distributed(train, device, cfg, prepare_data(cfg))
         return summary or {}
-    prepared = prepare_data(cfg)
     nproc = cfg.nproc if cfg.nproc is not None else cfg.world_size
+    device = _device_for(cfg, nproc, announce=True)  # before the data: a bad --device fails at once
+    prepared = prepare_data(cfg)
     if nproc == 1:
-        return train(pick_device(cfg.device), cfg, prepared) or {}
+        return train(pick_device(device), cfg, prepared) or {}
     summary_file = Path(cfg.out) / "summary.json"
     summary_file.unlink(missing_ok=True)
-    spawn(nproc, cfg.device, train, cfg)
+    spawn(nproc, device, train, cfg)
     return json.loads(summary_file.read_text())
+
+
+def _device_for(cfg: SFTConfig, procs_per_node: int, *, announce: bool) -> str:
+    """``cfg.device`` resolved for this node's process count; the reason printed when auto falls back to CPU."""
+    device, note = resolve_device(cfg.device, procs_per_node)
+    if note and announce:
+        print(note, flush=True)
+    return device

@@ -156,9 +156,43 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str, procs_per_node: int) -> tuple[str, str | None]:
+    """``"auto" | "cpu" | "cuda"`` -> ``("cpu" | "cuda", note)`` for `procs_per_node` local processes.
+
+    CUDA (NCCL) needs one GPU per local process: ``auto`` takes CUDA only when there are at least as many
+    GPUs as local processes, and otherwise CPU (gloo), with a one-line `note` saying why. An explicit
+    ``cuda`` without enough GPUs is a ValueError naming ``--device`` and ``--nproc``.
+    """
+    if name not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cpu":
+        return "cpu", None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= procs_per_node:
+        return "cuda", None
+    if name == "cuda":
+        if gpus == 0:
+            raise ValueError("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+        raise ValueError(
+            f"--device cuda needs one GPU per process: {procs_per_node} processes on this node "
+            f"(--nproc, or dp*cp*tp) but {gpus} CUDA device(s); use --device cpu (gloo), or "
+            f"--nproc {gpus} or fewer with a smaller dp*cp*tp"
+        )
+    if gpus == 0:
+        return "cpu", None
+    return "cpu", (
+        f"lmloss sft: device auto: {procs_per_node} processes on this node but {gpus} CUDA device(s), "
+        "so the run is on CPU with gloo (--device cuda needs one GPU per process)"
+    )
+
+
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """This process's device for a resolved name (`resolve_device`); ``cuda`` takes GPU `local_rank`."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name, _ = resolve_device(name, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if name == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

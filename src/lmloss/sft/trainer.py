@@ -43,7 +43,7 @@ from lmloss.sft.parallel import Mesh, all_reduce_grads_, copy_to_tp, grad_norm
 from lmloss.sft.tokenizer import TextTokenizer, load_tokenizer, prepare_tokenizer
 from lmloss.vocab_parallel import all_reduce_sum_
 
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_mask", "token_mask")
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens_padded", "loss_mask", "token_mask")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -210,7 +210,7 @@ class Trainer:
         n_valid = torch.stack([b["loss_mask"].sum() for b in batches]).sum().double()
         n_valid = all_reduce_sum_(n_valid, mesh.dp_cp_group).clamp(min=1.0)
         for b in batches:
-            packed = PackedAttention.build(b["cu_seqlens"], mesh.cp_group, device=self.device)
+            packed = PackedAttention.build(b["cu_seqlens_padded"], mesh.cp_group, device=self.device)
             hidden = self.model.model(input_ids=b["input_ids"][None], position_ids=b["position_ids"][None],
                                       packed=packed).last_hidden_state[0]  # fmt: skip
             loss_sum = head_loss_sum(hidden, self.head, b["labels"], impl=cfg.loss_impl,

@@ -1,0 +1,213 @@
+"""The PyTorch reference of the per-chunk softmax math (contract in `lmloss.kernels`).
+
+Written as a few whole-chunk PyTorch ops over one reused scratch buffer per role: on CPU a fresh
+``[chunk, V]`` tensor costs its page faults every time (about 80 ms per 125 MiB on 2 cores, more than
+the math on it), so `ChunkScratch` allocates each buffer once per pass. float64 chunks are computed in
+float64 (``gradcheck`` holds); every other dtype in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from lmloss.kernels import ChunkMath
+
+_FP32_MIN = torch.finfo(torch.float32).min
+
+
+class ChunkScratch:
+    """Chunk-sized buffers allocated once per pass and reused by every chunk."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+        self.rows, self.cols, self.device = rows, cols, device
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A ``[rows, cols]`` view of the buffer `name` (made on first use at the full chunk size)."""
+        buf = self._buffers.get((name, dtype))
+        if buf is None:
+            buf = torch.empty((self.rows, self.cols), dtype=dtype, device=self.device)
+            self._buffers[(name, dtype)] = buf
+        return buf[:rows, :cols]
+
+
+@contextlib.contextmanager
+def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
+    """Reduce each row on one thread when a chunk has fewer rows than intra-op threads.
+
+    Given enough rows, torch's CPU reductions hand whole rows to threads and sum each row in one fixed
+    order; with fewer rows than threads they split a row across threads and round differently. Forcing
+    the serial order keeps fp32 results bit-identical for every chunk size (a tail chunk of one row
+    included).
+    """
+    if torch.compiler.is_compiling() or device.type != "cpu":
+        yield  # a compiled graph has its own reduction order
+        return
+    threads = torch.get_num_threads()
+    if rows >= threads or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _transform_into(out: torch.Tensor, x: torch.Tensor, math: ChunkMath, *, aliased: bool = False) -> torch.Tensor:
+    """``out = scale * softcap(x)`` in out's dtype (fp32 / fp64), the same rounding in every pass.
+
+    Upcast first: scaling in bf16 / fp16 would round ``x * scale`` to that dtype, and a mixed-dtype
+    ``torch.mul(bf16, float, out=fp32)`` takes a slow path on CPU. `aliased`: `out` is `x`'s memory.
+    """
+    if not aliased:
+        out.copy_(x)
+    if math.softcap:
+        out.div_(math.softcap).tanh_().mul_(math.softcap * math.scale)
+    elif math.scale != 1.0:
+        out.mul_(math.scale)
+    return out
+
+
+def _needs_row_mask(inactive: torch.Tensor) -> bool:
+    # eager: only chunks that have an inactive row pay for the masking pass; compiled: always (fused)
+    return torch.compiler.is_compiling() or bool(inactive.any())
+
+
+class TorchKernels:
+    """`softmax_partials` / `softmax_grad_` for one pass, with that pass's scratch buffers."""
+
+    name = "torch"
+
+    def __init__(self, max_rows: int, cols: int, device: torch.device) -> None:
+        self.scratch = ChunkScratch(max_rows, cols, device)
+
+    def softmax_partials(
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False
+    ) -> torch.Tensor:
+        """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place."""
+        with serial_row_reductions(x.shape[0], x.device):
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
+
+    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps):
+        rows, n_valid = x.shape[0], math.valid
+        acc = compute_dtype(x.dtype)
+        out = torch.zeros((rows, 5), dtype=acc, device=x.device)
+        if n_valid == 0:
+            out[:, 0] = float("-inf")
+            return out
+        xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
+        if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
+            y = _transform_into(xv, xv, math, aliased=True)
+        elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
+            y = xv  # read-only: shifted into scratch below in one pass
+        else:
+            y = _transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
+        m = y.amax(dim=-1)
+        out[:, 0] = m
+        if target:
+            idx, owned = local_targets(labels, math)
+            out[:, 3] = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
+        if sum_logits:
+            out[:, 4] = y.sum(dim=-1)
+        if y is xv and not keep_exps:
+            shifted = torch.sub(xv, m[:, None], out=self.scratch.get("y", rows, n_valid, acc))
+        else:
+            shifted = y.sub_(m[:, None])
+        if entropy:
+            # logits of -inf (a sampler's mask) would make exp * shifted = 0 * -inf = NaN; a finite floor
+            # gives the same exp (0) and a 0 contribution
+            shifted.clamp_(min=_FP32_MIN)
+            exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
+            out[:, 1] = exps.sum(dim=-1)
+            out[:, 2] = exps.mul_(shifted).sum(dim=-1)
+        else:
+            out[:, 1] = shifted.exp_().sum(dim=-1)
+        return out
+
+    def softmax_grad_(
+        self, x, labels, lse, entropy, coef, math: ChunkMath, out, *, uniform_term: bool = True
+    ) -> torch.Tensor:
+        """`uniform_term=False` promises ``coef[:, 2] == 0`` (no label smoothing), saving one pass."""
+        n_valid = math.valid
+        acc = compute_dtype(x.dtype)
+        rows = x.shape[0]
+        in_out = out.dtype == acc
+        # The partials' "y" buffer is free by now: the gradient's fp32 work (or, when the work is `out`
+        # itself, the softcap slope) reuses it, so a pass holds one fp32 chunk, not two.
+        slope = self._softcap_slope(x, math, "y" if in_out else "slope")  # before `out` (maybe `x`) changes
+        work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
+        _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
+        work.sub_(lse[:, None])  # log p
+        a, d = coef[:, 0:1], coef[:, 3:4]
+        if entropy is not None:
+            p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
+            work.clamp_(min=_FP32_MIN)  # -inf logits: p = 0, and 0 * (log p + H) must be 0
+            work.add_(entropy[:, None]).mul_(p).mul_(d).addcmul_(p, a)
+        else:
+            work.exp_().mul_(a)
+        self._finish_grad_(work, slope, labels, coef, math, uniform_term)
+        if not in_out:
+            out[:, :n_valid].copy_(work)
+        out[:, n_valid:].zero_()
+        return out
+
+    def partials_then_grad_(self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True):
+        """`softmax_partials`, then ``finish(partials) -> (result, coef)`` (the TP combine and the output
+        math), then `softmax_grad_` into `out`; returns `result`.
+
+        When `out` is an fp32 `x` with no softcap (the fused path's own chunk, or fp32 logits in the
+        in-place mode), the exps of the forward are turned into the gradient without recomputing them:
+        ``p = exps * exp(m - lse)``.
+        """
+        reuse = out is x and x.dtype == torch.float32 and not math.softcap and not flags.get("entropy")
+        with serial_row_reductions(x.shape[0], x.device):
+            partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
+        result, coef, lse = finish(partials)
+        if not reuse:
+            return result, self.softmax_grad_(
+                x, labels, lse, None, coef, math, out, uniform_term=uniform_term
+            )
+        work = x[:, : math.valid]
+        work.mul_((coef[:, 0] * torch.exp(partials[:, 0] - lse))[:, None])
+        self._finish_grad_(work, None, labels, coef, math, uniform_term)
+        out[:, math.valid :].zero_()
+        return result, out
+
+    def _softcap_slope(self, x, math: ChunkMath, buffer: str) -> torch.Tensor | None:
+        """``d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)**2`` for the valid columns, in the scratch buffer
+        `buffer`; None without softcap."""
+        if not math.softcap:
+            return None
+        rows, acc = x.shape[0], compute_dtype(x.dtype)
+        t = self.scratch.get(buffer, rows, math.valid, acc).copy_(x[:, : math.valid])
+        return t.div_(math.softcap).tanh_().square_().neg_().add_(1.0)
+
+    def _finish_grad_(self, work, slope, labels, coef, math: ChunkMath, uniform_term: bool) -> None:
+        """Add the terms without ``p`` (``c``, ``b * onehot``), apply ``dy/dx``, zero inactive rows."""
+        if uniform_term:
+            work.add_(coef[:, 2:3])
+        if labels is not None and math.valid > 0:
+            idx, owned = local_targets(labels, math)
+            work.scatter_add_(1, idx[:, None], torch.where(owned, coef[:, 1], 0.0)[:, None].to(work.dtype))
+        if slope is not None:
+            work.mul_(slope)
+        if math.scale != 1.0:
+            work.mul_(math.scale)
+        inactive = (coef == 0).all(dim=1)
+        if _needs_row_mask(inactive):
+            work.masked_fill_(inactive[:, None], 0.0)
+
+
+def local_targets(labels: torch.Tensor, math: ChunkMath) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column index clamped into this shard, whether this shard owns the label) for global labels."""
+    local = labels - math.vocab_start
+    owned = (local >= 0) & (local < math.valid)
+    return local.clamp(0, max(math.valid - 1, 0)), owned

@@ -1,0 +1,360 @@
+"""Triton per-chunk kernels against float64 references written out here.
+
+Runs on the CPU under ``TRITON_INTERPRET=1`` (set in conftest.py before triton is imported); with
+``TRITON_INTERPRET=0`` and a GPU the same tests run on CUDA. The interpreter costs about a millisecond per
+program, so shapes stay tiny and tiny ``block_v`` overrides force several vocabulary blocks per row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
+
+from lmloss.kernels import ChunkMath  # noqa: E402
+from lmloss.kernels.triton_kernels import (  # noqa: E402
+    BACKWARD_BLOCKS,
+    FORWARD_BLOCKS,
+    block_config,
+    softmax_grad_,
+    softmax_partials,
+)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+
+NAN, INF = float("nan"), float("inf")
+IGNORE = -100
+
+
+def make_logits(c: int, v_local: int, valid: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random logits with NaN in the padded columns (they must never be read into a result)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(c, v_local, generator=g, dtype=torch.float64) * 3
+    x[:, valid:] = NAN
+    return x.to(dtype).to(DEVICE)
+
+
+def ref_y(x: torch.Tensor, math: ChunkMath) -> torch.Tensor:
+    """float64 transformed logits of the valid columns, [c, valid]."""
+    y = x[:, : math.valid].double()
+    if math.softcap:
+        y = math.softcap * torch.tanh(y / math.softcap)
+    return y * math.scale
+
+
+def ref_partials(x: torch.Tensor, labels: torch.Tensor, math: ChunkMath) -> torch.Tensor:
+    """float64 [c, 5]: max, sum exp, sum exp * (y - max) (0 where exp is 0), owned target logit, sum y."""
+    y = ref_y(x, math)
+    m = y.max(-1).values if math.valid else torch.full((x.shape[0],), -INF, dtype=torch.float64)
+    shift = y - torch.where(m == -INF, 0.0, m)[:, None]
+    e = shift.exp()
+    t = torch.where(e > 0, e * shift, 0.0).sum(-1)
+    local = labels.to(DEVICE) - math.vocab_start
+    owned = (local >= 0) & (local < math.valid)
+    y_label = y.gather(1, local.clamp(0, max(math.valid - 1, 0))[:, None])[:, 0] if math.valid else m
+    target = torch.where(owned, y_label, 0.0)
+    return torch.stack([m, e.sum(-1), t, target, y.sum(-1)], 1)
+
+
+def ref_grad(x, labels, lse, entropy, coef, math) -> torch.Tensor:
+    """float64 [c, V_local] gradient from the formula of the contract (checked against autograd below)."""
+    y = ref_y(x, math)
+    a, b, c, d = (coef.double()[:, k : k + 1] for k in range(4))
+    logp = y - lse.double()[:, None]
+    p = logp.exp()
+    g = torch.where(a != 0, a * p, 0.0) + c
+    if entropy is not None:
+        g = g + torch.where((d != 0) & (p > 0), d * p * (logp + entropy.double()[:, None]), 0.0)
+    if labels is not None:
+        cols = torch.arange(math.valid, device=DEVICE)
+        g = g + torch.where(cols == (labels.to(DEVICE) - math.vocab_start)[:, None], b, 0.0)
+    if math.softcap:
+        g = g * (1 - torch.tanh(x[:, : math.valid].double() / math.softcap) ** 2)
+    g = torch.where((coef != 0).any(1, keepdim=True), g * math.scale, 0.0)
+    return torch.nn.functional.pad(g, (0, x.shape[1] - math.valid))
+
+
+def softmax_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 lse and entropy -sum p log p of y [c, V] (terms with p == 0 count 0)."""
+    logp = torch.log_softmax(y, -1)
+    return torch.logsumexp(y, -1), -torch.where(logp > -INF, logp.exp() * logp, 0.0).sum(-1)
+
+
+def autograd_grad(shards, labels, coef, maths) -> list[torch.Tensor]:
+    """d/dx of sum_rows (a * lse + b * y_label + c * sum_j y_j - d * H) in float64 over the vocabulary made of
+    the shards' valid columns: the loss whose gradient the contract's (a, b, c, d) describe."""
+    xs = [x[:, : m.valid].double().requires_grad_() for x, m in zip(shards, maths)]
+    y = torch.cat([ref_y(x, m) for x, m in zip(xs, maths)], 1)
+    lse, entropy = softmax_stats(y)
+    owned = (labels >= 0) & (labels < y.shape[1])
+    y_label = torch.where(owned.to(DEVICE), y.gather(1, labels.clamp(0).to(DEVICE)[:, None])[:, 0], 0.0)
+    a, b, c, d = coef.double().unbind(1)
+    (a * lse + b * y_label + c * y.sum(-1) - d * entropy).sum().backward()
+    return [torch.nn.functional.pad(x.grad, (0, s.shape[1] - m.valid)) for x, s, m in zip(xs, shards, maths)]
+
+
+def assert_close(actual, expected, dtype=torch.float32):
+    tol = {torch.float32: (1e-5, 2e-6), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (2e-3, 1e-6)}[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), rtol=tol[0], atol=tol[1])
+
+
+# (c, V_local, valid, vocab_start, scale, softcap, block_v): ragged shapes no block divides, padded columns,
+# several vocabulary blocks, one block, the default block, temperature and softcap.
+CASES = {
+    "ragged-3-blocks": (5, 37, 37, 0, 1.0, 0.0, 16),
+    "padded-shard": (4, 40, 33, 100, 1 / 0.7, 0.0, 16),
+    "softcap-temperature": (3, 37, 30, 0, 0.5, 5.0, 8),
+    "default-block": (2, 37, 37, 0, 1.0, 0.0, None),
+}
+
+
+def case_labels(c, vocab_start):
+    # owned column 5, a column past the shard, ignored, a column before the shard, and the last valid column
+    return torch.tensor([vocab_start + 5, vocab_start + 1000, IGNORE, vocab_start - 1, vocab_start + 29][:c])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_partials_match_float64(case, dtype):
+    c, v_local, valid, start, scale, softcap, block = CASES[case]
+    math = ChunkMath(vocab_start=start, valid=valid, scale=scale, softcap=softcap)
+    x = make_logits(c, v_local, valid, dtype)
+    x[1, [0, 3, valid - 1]] = -INF  # a sampler's mask: exp == 0 terms give 0, not NaN
+    labels = case_labels(c, start)
+    out = softmax_partials(
+        x, labels.to(DEVICE), math, entropy=True, target=True, sum_logits=True, block_v=block
+    )
+    assert out.dtype == torch.float32 and out.shape == (c, 5) and out.is_contiguous()
+    expected = ref_partials(x, labels, math)
+    assert torch.isfinite(out[:, :4]).all()
+    assert out[0, 3] != 0 and (out[1:4, 3] == 0).all()  # owned / not owned / ignored / before the shard
+    assert_close(out, expected)  # x's dtype is read exactly and the math is fp32 either way
+
+
+def test_partials_flags_off_and_degenerate_rows():
+    math = ChunkMath(vocab_start=0, valid=20, scale=1.0, softcap=0.0)
+    x = make_logits(3, 24, 20, torch.float32)
+    x[1, :20] = -INF  # a row entirely masked: m = -inf, s = 0, t = 0
+    full = softmax_partials(x, torch.zeros(3, dtype=torch.long, device=DEVICE), math,
+                            entropy=True, target=True, sum_logits=True, block_v=8)  # fmt: skip
+    bare = softmax_partials(x, None, math, entropy=False, target=False, sum_logits=False, block_v=8)
+    assert_close(full, ref_partials(x, torch.zeros(3, dtype=torch.long), math))
+    assert full[1, 0] == -INF and full[1, 1] == 0 and full[1, 2] == 0 and not full[1, :3].isnan().any()
+    torch.testing.assert_close(bare[:, :2], full[:, :2])
+    assert (bare[:, 2:] == 0).all()
+    empty = softmax_partials(x, None, ChunkMath(0, 0, 1.0, 0.0), entropy=True, target=False, sum_logits=True)
+    assert (empty[:, 0] == -INF).all() and (empty[:, 1:] == 0).all()
+
+
+def combine(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lse, entropy and target logit of the whole vocabulary from the shards' partials, in float64."""
+    p = torch.stack(parts).double()  # [shards, c, 5]
+    m = p[..., 0].max(0).values
+    w = torch.exp(p[..., 0] - m)
+    s = (w * p[..., 1]).sum(0)
+    t = (w * (p[..., 2] + (p[..., 0] - m) * p[..., 1])).sum(0)
+    return m + s.log(), s.log() - t / s, p[..., 3].sum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_vocab_shards_match_the_whole_softmax(dtype):
+    """Two shards of 19 valid columns (padded to 24) combine to the whole-vocabulary lse, entropy and target,
+    and their gradients from the global lse and entropy are autograd's through softcap and temperature."""
+    c, v_local, valid = 5, 24, 19
+    maths = [ChunkMath(vocab_start=r * valid, valid=valid, scale=1 / 1.3, softcap=4.0) for r in range(2)]
+    shards = [make_logits(c, v_local, valid, dtype, seed=r) for r in range(2)]
+    shards[0][2, 4] = -INF
+    labels = torch.tensor([3, 25, IGNORE, 18, 37])  # shard 0, shard 1, ignored, both shards' edges
+    parts = [
+        softmax_partials(x, labels.to(DEVICE), m, entropy=True, target=True, sum_logits=False, block_v=8)
+        for x, m in zip(shards, maths)
+    ]
+    y = torch.cat([ref_y(x, m) for x, m in zip(shards, maths)], 1)
+    lse_ref, entropy_ref = softmax_stats(y)
+    owned = labels >= 0
+    target_ref = torch.where(owned.to(DEVICE), y.gather(1, labels.clamp(0).to(DEVICE)[:, None])[:, 0], 0.0)
+    lse, entropy, target = combine(parts)
+    assert_close(lse, lse_ref)
+    assert_close(entropy, entropy_ref)
+    assert_close(target, target_ref)
+
+    g = torch.Generator().manual_seed(1)
+    coef = torch.randn(c, 4, generator=g)
+    coef[0, 0] = 0.0  # a row without the lse term
+    coef[3, 3] = 0.0  # a row without the entropy term
+    coef = coef.to(DEVICE)
+    expected = autograd_grad(shards, labels, coef, maths)
+    for x, m, exp in zip(shards, maths, expected):
+        out = torch.empty(c, v_local, dtype=torch.float32, device=DEVICE)
+        softmax_grad_(x, labels.to(DEVICE), lse.float(), entropy.float(), coef, m, out, block_v=8)
+        assert_close(out, exp)
+        assert (out[:, valid:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_grad_matches_formula_and_dead_rows_are_zero(case, dtype):
+    c, v_local, valid, start, scale, softcap, block = CASES[case]
+    math = ChunkMath(vocab_start=start, valid=valid, scale=scale, softcap=softcap)
+    x = make_logits(c, v_local, valid, dtype, seed=2)
+    x[0, [1, valid - 2]] = -INF  # masked columns in a live row with an entropy term
+    x[c - 1, :valid:3] = NAN  # the last row is ignored (all coefficients 0): NaN and -inf give exact 0
+    x[c - 1, 1] = -INF
+    labels = case_labels(c, start)
+    y = ref_y(x, math)
+    lse, entropy = softmax_stats(y)
+    lse[c - 1] = NAN
+    lse[1] = NAN  # row 1 uses b and c only: its unused lse must not reach the gradient (a * NaN)
+    g = torch.Generator().manual_seed(3)
+    coef = torch.randn(c, 4, generator=g)
+    coef[c - 1] = 0.0
+    coef[1, 0] = coef[1, 3] = 0.0
+    coef = coef.to(DEVICE)
+    out = torch.full((c, v_local), 7.0, dtype=torch.float32, device=DEVICE)
+    returned = softmax_grad_(
+        x, labels.to(DEVICE), lse.float(), entropy.float(), coef, math, out, block_v=block
+    )
+    assert returned is out
+    assert_close(out, ref_grad(x, labels, lse, entropy, coef, math))
+    assert torch.isfinite(out).all()
+    assert (out[c - 1] == 0).all() and (out[:, valid:] == 0).all()
+
+
+def test_grad_without_labels_or_entropy():
+    """labels=None and entropy=None compile the b and d terms out: a, c only (d(lse) and d(sum y))."""
+    math = ChunkMath(vocab_start=0, valid=30, scale=2.0, softcap=0.0)
+    x = make_logits(4, 33, 30, torch.float32, seed=4)
+    lse, _ = softmax_stats(ref_y(x, math))
+    coef = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0.5, 0], [-2.0, 0, 1.0, 0], [0, 0, 0, 0]], device=DEVICE)
+    out = softmax_grad_(x, None, lse.float(), None, coef, math, torch.empty_like(x), block_v=16)
+    expected = autograd_grad([x], torch.full((4,), IGNORE), coef, [math])[0]
+    assert_close(out, expected)
+    assert_close(out, ref_grad(x, None, lse, None, coef, math))
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "out_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_strided_rows_and_in_place(x_dtype, out_dtype):
+    """A column-sliced view and a row slice of a bigger tensor, written out of place and in place (out is x)."""
+    c, valid = 4, 29
+    math = ChunkMath(vocab_start=10, valid=valid, scale=1.0, softcap=0.0)
+    big = make_logits(c + 3, 48, 48, x_dtype, seed=5)
+    labels = torch.tensor([12, 10 + valid - 1, IGNORE, 3], device=DEVICE)
+    coef = torch.tensor(
+        [[-1.0, 1, 0, 0], [-0.5, 0.5, 0, -0.25], [0, 0, 0, 0], [0.3, 0, 0.1, 0.2]], device=DEVICE
+    )
+    for view in (big[1 : 1 + c, 5:40], big[2 : 2 + c, :35]):  # column slice (row stride 48), row slice
+        assert view.stride(0) == 48 and view.shape == (c, 35)
+        ref = ref_partials(view, labels, math)
+        parts = softmax_partials(view, labels, math, entropy=True, target=True, sum_logits=True, block_v=8)
+        assert_close(parts, ref)
+        lse, entropy = softmax_stats(ref_y(view, math))
+        expected = ref_grad(view, labels, lse, entropy, coef, math)
+        out = softmax_grad_(view, labels, lse.float(), entropy.float(), coef, math,
+                            torch.empty(c, 35, dtype=out_dtype, device=DEVICE), block_v=8)  # fmt: skip
+        assert out.dtype == out_dtype
+        assert_close(out, expected, out_dtype)
+        if out_dtype == x_dtype:
+            before = big.clone()
+            row0, col0 = divmod(view.storage_offset(), 48)
+            inside = torch.zeros_like(big, dtype=torch.bool)
+            inside[row0 : row0 + c, col0 : col0 + 35] = True
+            returned = softmax_grad_(view, labels, lse.float(), entropy.float(), coef, math, view, block_v=8)
+            assert returned is view
+            torch.testing.assert_close(view, out, rtol=0, atol=0)  # in place equals out of place, bit for bit
+            assert torch.equal(big[~inside], before[~inside])  # nothing outside the view was written
+
+
+def test_softcap_keeps_relative_accuracy_near_zero():
+    """softcap * tanh(x / softcap) ~ x for tiny x: relative, not just absolute, fp32 accuracy."""
+    math = ChunkMath(vocab_start=0, valid=16, scale=1.0, softcap=30.0)
+    x = make_logits(4, 16, 16, torch.float32, seed=6) * 1e-4
+    labels = torch.tensor([0, 5, 9, 15], device=DEVICE)
+    out = softmax_partials(x, labels, math, entropy=False, target=True, sum_logits=False)
+    torch.testing.assert_close(out[:, 3].double(), ref_partials(x, labels, math)[:, 3], rtol=1e-6, atol=0)
+
+
+def test_block_table_and_argument_errors():
+    for table in (FORWARD_BLOCKS, BACKWARD_BLOCKS):
+        for n in (1, 37, 1000, 5000, 128256, 262144):
+            block, warps = block_config(n, table)
+            assert block & (block - 1) == 0 and warps in (1, 2, 4, 8, 16, 32)
+            assert block >= min(n, 1024)  # one block covers a small row; big rows use big blocks
+    math = ChunkMath(vocab_start=0, valid=8, scale=1.0, softcap=0.0)
+    x = make_logits(2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="labels"):
+        softmax_partials(x, None, math, entropy=False, target=True, sum_logits=False)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        softmax_partials(x.t(), None, math, entropy=False, target=False, sum_logits=False)
+    with pytest.raises(ValueError, match="math.valid"):
+        softmax_partials(x, None, ChunkMath(0, 9, 1.0, 0.0), entropy=False, target=False, sum_logits=False)
+    with pytest.raises(ValueError, match="block_v"):
+        softmax_partials(x, None, math, entropy=False, target=False, sum_logits=False, block_v=12)
+    with pytest.raises(ValueError, match="coef"):
+        softmax_grad_(x, None, torch.zeros(2), None, torch.zeros(2, 3), math, x)
+
+
+# The interpreter runs the kernels' Python, not Triton's compiler: compile them ahead of time for an H100 (sm_90;
+# no GPU needed, Triton bundles ptxas) in a process without TRITON_INTERPRET, with the specialisations the JIT
+# makes at run time for 16-byte aligned pointers and widths / row strides that are multiples of 16.
+AOT_SCRIPT = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmloss.kernels import triton_kernels as tk
+
+def ptx(fn, signature, constexprs, num_warps):
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+               if name.endswith(("_ptr", "_stride")) or name in ("valid", "n_cols")}
+    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, aligned)
+    code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return sorted(set(re.findall(r"(?:ld|st)[.]global[.]\\w+", code)))
+
+common = {"scale": "fp32", "softcap": "fp32"}
+fwd = {"x_ptr": "*bf16", "x_row_stride": "i32", "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": "i32",
+       "vocab_start": "i32", **common}
+bwd = {"x_ptr": "*bf16", "x_row_stride": "i32", "out_ptr": "*bf16", "out_row_stride": "i32", "labels_ptr": "*i64",
+       "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": "i32", "valid": "i32",
+       "vocab_start": "i32", **common}
+all_on = dict(SOFTCAP=True, ENTROPY=True)
+json.dump({
+    "forward": ptx(tk._softmax_partials_kernel, fwd, dict(all_on, TARGET=True, SUM_LOGITS=True, BLOCK_V=8192), 16),
+    "backward": ptx(tk._softmax_grad_kernel, bwd, dict(all_on, LABELS=True, BLOCK_V=4096), 8),
+    "backward_fp32_out": ptx(tk._softmax_grad_kernel, dict(bwd, out_ptr="*fp32"),
+                             dict(SOFTCAP=False, ENTROPY=False, LABELS=False, BLOCK_V=4096), 8),
+}, sys.stdout)
+"""
+
+
+def test_kernels_compile_for_h100_with_16_byte_memory_access(tmp_path):
+    """Both kernels compile for sm_90 with every flag on, and stream x / out with 128-bit loads and stores
+    (v4.b32: 8 bf16 or 4 fp32 per access) when the JIT sees aligned pointers and widths."""
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    import lmloss
+
+    src = str(Path(lmloss.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    access = json.loads(run.stdout)
+    assert "ld.global.v4" in access["forward"], access
+    for kernel in ("backward", "backward_fp32_out"):
+        assert "ld.global.v4" in access[kernel] and "st.global.v4" in access[kernel], access
