@@ -98,11 +98,6 @@ def test_patched_loss_and_every_gradient_match_transformers(arch, tied):
         assert patched.lm_head.weight is patched.get_input_embeddings().weight
 
 
-@pytest.mark.xfail(
-    reason="Gemma2's final_logit_softcapping needs lmloss ops with softcap= (coming on main); "
-    "until then patch() raises NotImplementedError",
-    strict=False,
-)
 def test_gemma2_softcap_matches_transformers():
     reference = tiny_model("gemma2", softcap=3.0)  # a small cap, so that tanh bends the logits
     patched = hf.patch(copy.deepcopy(reference))

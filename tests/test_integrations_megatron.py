@@ -117,11 +117,6 @@ def test_packed_seq_params_maps_real_and_padded_boundaries_to_megatrons_names():
 
 
 @needs_megatron
-@pytest.mark.xfail(
-    reason="PackedBatch's fields are being renamed on main (cu_seqlens = real boundaries, cu_seqlens_padded "
-    "= padded, TE/Megatron's names); this construction fails until that lands",
-    strict=False,
-)
 def test_packed_seq_params_from_a_packed_batch_with_the_new_field_names():
     batch = lmloss.PackedBatch(
         input_ids=torch.arange(10), labels=torch.full((10,), -100), position_ids=torch.arange(10),

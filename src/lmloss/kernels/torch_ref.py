@@ -61,7 +61,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _transform_into(out: torch.Tensor, x: torch.Tensor, math: ChunkMath, *, aliased: bool = False) -> torch.Tensor:
+def _transform_into(
+    out: torch.Tensor, x: torch.Tensor, math: ChunkMath, *, aliased: bool = False
+) -> torch.Tensor:
     """``out = scale * softcap(x)`` in out's dtype (fp32 / fp64), the same rounding in every pass.
 
     Upcast first: scaling in bf16 / fp16 would round ``x * scale`` to that dtype, and a mixed-dtype
