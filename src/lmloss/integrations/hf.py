@@ -119,7 +119,7 @@ def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    try:  # transformers >= 4.5x: the exact slicing its models use (ints, index and mask tensors)
+    try:  # recent transformers (5.x): the exact slicing its models use (ints, index and mask tensors)
         from transformers.modeling_utils import slice_logits_to_keep
     except ImportError:  # older releases slice inline, with an int or a 1-D index tensor
         index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
