@@ -1,0 +1,14 @@
+"""Adapters from lmloss's public ops to the stacks people train with.
+
+* `lmloss.integrations.hf`: `patch(model)` makes a Hugging Face ``*ForCausalLM`` compute its loss with the
+  fused LM head (no logits), and `token_logprobs(model, ...)` scores tokens for RL without logits.
+* `lmloss.integrations.megatron`: a drop-in for Megatron-core's ``vocab_parallel_cross_entropy``, a fused
+  loss for the last pipeline stage, and ``PackedSeqParams`` from an `lmloss.packing.PackedBatch`.
+
+Neither `transformers` nor `megatron-core` is imported until a function that needs it is called, so
+``import lmloss.integrations.hf`` works without them. Only the public ops are used here.
+"""
+
+from lmloss.integrations import hf, megatron
+
+__all__ = ["hf", "megatron"]

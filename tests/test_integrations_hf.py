@@ -1,0 +1,300 @@
+"""`lmloss.integrations.hf`: a patched transformers model against the same model unpatched (the reference).
+
+Tiny Llama, Qwen2, Qwen3 and Gemma2 models are built from configs (no downloads). Every case compares the
+loss and the gradient of every parameter with those of unpatched transformers, which computes the logits
+and ``F.cross_entropy`` (ForCausalLMLoss). The FSDP2 case lives in tests/distributed/test_integrations_parallel.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from lmloss.integrations import hf  # noqa: E402
+from lmloss.profiling import LiveTensorTracker  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+VOCAB = 384
+B, S = 2, 12
+
+
+def tiny_config(arch: str, *, tied: bool, vocab: int = VOCAB, softcap: float | None = None):
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied,
+    )  # fmt: skip
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=8, **common)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(
+            head_dim=8, query_pre_attn_scalar=8, sliding_window=8, final_logit_softcapping=softcap, **common
+        )
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, *, tied: bool = False, seed: int = 0, **kw):
+    config = tiny_config(arch, tied=tied, **kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    if not tied:  # a head unlike the embedding, so that a mixed-up weight cannot pass
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, 0.2)
+    return model
+
+
+def batch(seed: int = 1, vocab: int = VOCAB, seq: int = S):
+    """input_ids, attention_mask (row 1 right-padded), labels with padding and a prompt at -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, seq), generator=g)
+    mask = torch.ones(B, seq, dtype=torch.long)
+    mask[1, seq - 4 :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :3] = -100
+    return ids, mask, labels
+
+
+def loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got: dict, want: dict, **tol):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **(tol or TOL), msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_patched_loss_and_every_gradient_match_transformers(arch, tied):
+    reference = tiny_model(arch, tied=tied)
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    for extra in ({}, {"num_items_in_batch": torch.tensor(29)}):  # mean, then Trainer's sum / count
+        want, want_grads = loss_and_grads(
+            reference, input_ids=ids, attention_mask=mask, labels=labels, **extra
+        )
+        got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels, **extra)
+        assert got.logits is None
+        torch.testing.assert_close(got.loss, want.loss, **TOL)
+        assert_same_grads(got_grads, want_grads)
+    if tied:
+        assert patched.lm_head.weight is patched.get_input_embeddings().weight
+
+
+def test_gemma2_softcap_matches_transformers():
+    reference = tiny_model("gemma2", softcap=3.0)  # a small cap, so that tanh bends the logits
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert_same_grads(got_grads, want_grads)
+    lp = hf.token_logprobs(patched, ids, attention_mask=mask)
+    logits = reference(ids, attention_mask=mask).logits.double()  # softcapped by transformers
+    want_lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp[:, 1:][mask[:, 1:] == 1].double(), want_lp[mask[:, 1:] == 1], **TOL)
+
+
+def test_without_labels_logits_come_back_unchanged_and_kwargs_pass_through():
+    reference = tiny_model("llama")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    for kw in ({}, {"logits_to_keep": 1}):
+        want = reference(ids, attention_mask=mask, **kw).logits
+        torch.testing.assert_close(patched(ids, attention_mask=mask, **kw).logits, want, atol=0, rtol=0)
+    # return_dict=False gives the tuple transformers gives, minus the logits: (loss, past_key_values)
+    with torch.no_grad():
+        tup = patched(ids, attention_mask=mask, labels=labels, return_dict=False)
+        assert isinstance(tup, tuple)
+        torch.testing.assert_close(tup[0], reference(ids, attention_mask=mask, labels=labels).loss, **TOL)
+
+
+def test_logits_to_keep_shift_labels_and_ignore_index_match_transformers():
+    reference = tiny_model("qwen2")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    cases = [
+        dict(labels=labels[:, -5:].contiguous(), logits_to_keep=5),  # scores the last 5 positions only
+        dict(labels=ids, shift_labels=shifted),  # already shifted targets win over labels
+        dict(labels=labels.masked_fill(labels == -100, 7), ignore_index=7),
+    ]
+    for case in cases:
+        want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, **case)
+        got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, **case)
+        torch.testing.assert_close(got.loss, want.loss, **TOL)
+        assert_same_grads(got_grads, want_grads)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        patched(ids, labels=labels, logits_to_keep=5)
+
+
+def test_bf16_matches_transformers_within_bf16_rounding():
+    reference = tiny_model("llama").to(torch.bfloat16)
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert got.loss.dtype == torch.float32 and want.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-3, rtol=1e-3)
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert got_grads[name].dtype == torch.bfloat16
+        # the head's gradient accumulates in fp32 here and in bf16 GEMM outputs there
+        torch.testing.assert_close(got_grads[name].float(), want_grads[name].float(), atol=2e-3, rtol=2e-2)
+
+
+def test_under_cpu_autocast_the_head_runs_in_the_autocast_dtype_like_nn_linear():
+    reference = tiny_model("qwen2")  # fp32 parameters, bf16 compute
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+        got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-3, rtol=1e-3)
+    assert got_grads["lm_head.weight"].dtype == torch.float32
+    torch.testing.assert_close(
+        got_grads["lm_head.weight"], want_grads["lm_head.weight"], atol=2e-3, rtol=2e-2
+    )
+
+
+def test_patch_is_idempotent_and_unpatch_restores_the_original_forward():
+    model = tiny_model("llama")
+    assert hf.patch(model) is model and hf.is_patched(model)
+    first = model.forward
+    hf.patch(model)
+    assert model.forward == first
+    ids, mask, labels = batch()
+    assert model(ids, attention_mask=mask, labels=labels).logits is None
+    assert hf.unpatch(model) is model and not hf.is_patched(model)
+    assert "forward" not in model.__dict__
+    out = model(ids, attention_mask=mask, labels=labels)
+    assert out.logits.shape == (B, S, VOCAB)
+    hf.unpatch(model)  # a no-op on an unpatched model
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    with pytest.raises(TypeError, match="ForCausalLM"):
+        hf.patch(tiny_model("llama").model)  # the body alone has no head
+    scaled = tiny_model("llama")
+    scaled.config.logits_scaling = 4.0  # Granite-style: logits / 4
+    with pytest.raises(NotImplementedError, match="logits_scaling"):
+        hf.patch(scaled)
+
+
+class _LargestAllocation(LiveTensorTracker):
+    """The tracker, also remembering the largest single allocation (its `delta`) seen in the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def on_live_change(self, delta: int, op: str | None) -> None:
+        self.largest = max(self.largest, delta)
+
+
+def test_patched_forward_and_backward_allocate_no_tokens_by_vocab_tensor():
+    vocab = 4096
+    reference = tiny_model("llama", vocab=vocab)
+    patched = hf.patch(copy.deepcopy(reference), chunk_size=8)
+    seq = 96  # tokens >> hidden, so that a [tokens, vocab] tensor is larger than any [vocab, hidden] one
+    ids, mask, labels = batch(vocab=vocab, seq=seq)
+    logits_bytes = B * seq * vocab * 4  # one fp32 [tokens, vocab] tensor
+    measured = {}
+    for name, model in (("reference", reference), ("patched", patched)):
+        with _LargestAllocation() as tracker:
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
+        measured[name] = tracker
+    assert measured["reference"].largest >= logits_bytes  # the check can see a logits tensor
+    # the largest allocations left are the [vocab, hidden] fp32 weight gradient and one [8, vocab] chunk
+    head_bytes = vocab * 32 * 4
+    assert measured["patched"].largest <= head_bytes < logits_bytes / 3
+    assert measured["patched"].peak < measured["reference"].peak - 2 * logits_bytes
+
+
+def test_token_logprobs_and_entropy_match_log_softmax_of_transformers_logits():
+    reference = tiny_model("qwen3")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, _ = batch()
+    T = 0.7
+    weights = torch.randn(B, S, generator=torch.Generator().manual_seed(3))
+    lp, ent = hf.token_logprobs(patched, ids, attention_mask=mask, temperature=T, return_entropy=True)
+    patched.zero_grad()
+    ((lp * weights).sum() + ent.sum()).backward()
+
+    logits = reference(ids, attention_mask=mask).logits.float() / T
+    logp = logits[:, :-1].log_softmax(-1)
+    want_lp = logp.gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]  # padding is not scored
+    want_ent = -(logp.exp() * logp).sum(-1)
+    want_lp = F.pad(want_lp, (1, 0))
+    want_ent = F.pad(want_ent, (1, 0))
+    reference.zero_grad()
+    ((want_lp * weights).sum() + want_ent.sum()).backward()
+
+    assert lp.shape == ent.shape == (B, S) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, want_lp, **TOL)
+    torch.testing.assert_close(ent, want_ent, **TOL)
+    assert_same_grads(
+        {n: p.grad for n, p in patched.named_parameters()},
+        {n: p.grad for n, p in reference.named_parameters()},
+    )
+    # explicit labels: -100 is not scored
+    labels = ids.clone()
+    labels[:, 5] = -100
+    assert (hf.token_logprobs(patched, ids, labels)[:, 5] == 0).all()
+
+
+def _trainer_run(model, tmp_path, data):
+    # plain SGD: parameters move by lr * gradient, so equal gradients give equal parameters (Adam would
+    # magnify rounding-level differences of near-zero gradients)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, optim="sgd", learning_rate=0.1, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_trains_the_patched_model_as_it_trains_transformers_own(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    reference = tiny_model("llama")
+    patched = hf.patch(copy.deepcopy(reference))
+    data = []
+    for i in range(12):  # uneven label counts per micro-batch: num_items_in_batch matters
+        ids, mask, labels = batch(seed=10 + i)
+        labels[:, : i % 5] = -100
+        data += [dict(input_ids=ids[r], attention_mask=mask[r], labels=labels[r]) for r in range(B)]
+    want_losses = _trainer_run(reference, tmp_path / "reference", data)
+    got_losses = _trainer_run(patched, tmp_path / "patched", data)
+    assert len(got_losses) == 3
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **TOL)
+    for (name, p), q in zip(reference.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q, p, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(reference.lm_head.weight, tiny_model("llama").lm_head.weight)  # it did train
+
+
+def test_import_lmloss_imports_neither_transformers_nor_megatron():
+    code = (
+        "import sys, lmloss, lmloss.integrations.hf, lmloss.integrations.megatron\n"
+        "bad = [m for m in ('transformers', 'megatron') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
