@@ -50,7 +50,8 @@ def _ce_mean(x, y, u):
 
 
 def _ce_inplace(x, y, u):
-    # the logits an op produced (not a leaf): their gradient is written over them during the forward
+    # the logits an op produced (not a leaf): eagerly their gradient is written over them during the
+    # forward; compiled, the op runs out of place, with the same value and gradient
     return lmloss.cross_entropy(x * 1.5, y, chunk_size=4, inplace_backward=True)
 
 
@@ -92,22 +93,7 @@ def _assert_compiled_matches_eager(fn, leaves, rest, backend):
         torch.testing.assert_close(g, w, **TOL)
 
 
-INPLACE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.Unsupported,
-    reason="inplace_backward=True does not trace: dynamo cannot trace the leaf check's Tensor._is_view(), "
-    "and it traces _CrossEntropyInPlace.backward with a gradient for the overwritten-logits output, which "
-    "raises by design; the in-place mode runs eagerly (or outside the compiled region) only",
-)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=INPLACE_XFAIL) if c == "cross_entropy_inplace_backward" else c
-        for c in LOGITS_CASES
-    ],
-)
+@pytest.mark.parametrize("case", list(LOGITS_CASES))
 def test_logits_op_compiled_with_fullgraph_matches_eager(case):
     logits, _, _, _, labels, upstream = _inputs()
     _assert_compiled_matches_eager(LOGITS_CASES[case], [logits], [labels, upstream], "aot_eager")

@@ -287,7 +287,8 @@ def cross_entropy(
             logits after this call. Another op that saved them for its backward raises PyTorch's
             "modified by an inplace operation" error instead of computing with the gradient. The
             logits must come from an op (an ``lm_head``), not be a leaf that requires grad, and their
-            leading dims must flatten as a view. Without gradients it changes nothing.
+            leading dims must flatten as a view. Without gradients it changes nothing; inside
+            ``torch.compile`` the op runs out of place (same values and gradients).
         Other arguments as in `token_logprobs`.
     """
     _validate.check_reduction(reduction)
@@ -301,7 +302,10 @@ def cross_entropy(
     )  # fmt: skip
     if inplace_backward and reduction == "none":
         raise ValueError('inplace_backward=True needs reduction="sum" or "mean" (a scalar loss)')
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+    # inside a compiled region the compiler owns the buffers (and dynamo cannot trace a dirty-input
+    # autograd.Function): the op runs out of place there, with the same values and gradients
+    compiling = torch.compiler.is_compiling()
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not compiling:
         _check_inplace(logits)
         total, _ = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan)
         return reduce_loss(

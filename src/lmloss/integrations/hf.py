@@ -23,7 +23,6 @@ temperature, from `lmloss.linear_token_logprobs`, run inside the root forward.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -49,16 +48,12 @@ class _PatchState:
     """Kept on the patched model: how to undo the patch and the options the loss runs with."""
 
     instance_forward: Callable | None  # a forward set on the instance before patching (None: the class's)
-    chunk_size: int | str | None
+    options: dict[str, Any]  # keyword arguments for lmloss.linear_cross_entropy
 
 
 def _softcap(model: torch.nn.Module) -> float | None:
     cap = getattr(model.config, "final_logit_softcapping", None)
     return None if cap is None else float(cap)
-
-
-def _op_takes_softcap(op: Callable) -> bool:
-    return "softcap" in inspect.signature(op).parameters
 
 
 def _check_supported(model: torch.nn.Module) -> None:
@@ -85,13 +80,6 @@ def _check_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} adds a router auxiliary loss (config.output_router_logits=True), "
             "which this patch does not compute"
         )
-    if _softcap(model) is not None:
-        for op in (lmloss.linear_cross_entropy, lmloss.linear_token_logprobs):
-            if not _op_takes_softcap(op):
-                raise NotImplementedError(
-                    f"{type(model).__name__} caps its logits (config.final_logit_softcapping="
-                    f"{_softcap(model)}), and this lmloss's {op.__name__} has no softcap argument yet"
-                )
 
 
 def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -140,10 +128,6 @@ def _head_inputs(hidden: torch.Tensor, head: torch.nn.Module):
     return cast[0], cast[1], cast[2], device_type
 
 
-def _softcap_kwargs(softcap: float | None) -> dict[str, float]:
-    return {} if softcap is None else {"softcap": softcap}
-
-
 def _fused_loss(
     head: torch.nn.Module,
     hidden: torch.Tensor,
@@ -152,15 +136,17 @@ def _fused_loss(
     num_items_in_batch: torch.Tensor | int | None,
     ignore_index: int,
     softcap: float | None,
-    chunk_size: int | str | None,
+    options: dict[str, Any],
 ) -> torch.Tensor:
-    """The head's forward while patched: transformers' ``ForCausalLMLoss`` of ``head(hidden)``, fused."""
+    """The head's forward while patched: transformers' ``ForCausalLMLoss`` of ``head(hidden)``, fused.
+
+    `options`: `patch`'s keyword arguments for `lmloss.linear_cross_entropy` (chunk_size, impl, ...)."""
     hidden, weight, bias, device_type = _head_inputs(hidden, head)
     reduction = "mean" if num_items_in_batch is None else "sum"
     with torch.autocast(device_type, enabled=False):  # dtypes are settled; the op runs its own GEMMs
         loss = lmloss.linear_cross_entropy(
             hidden, weight, targets.to(hidden.device), bias=bias, ignore_index=ignore_index,
-            reduction=reduction, chunk_size=chunk_size, **_softcap_kwargs(softcap),
+            reduction=reduction, softcap=softcap, **options,
         )  # fmt: skip
     if num_items_in_batch is not None:  # Trainer's gradient accumulation: sum over the global count
         if isinstance(num_items_in_batch, torch.Tensor):
@@ -217,7 +203,7 @@ def _patched_forward(
     loss = call_through(
         self.get_output_embeddings(), _fused_loss, hidden, targets,
         num_items_in_batch=loss_kwargs.get("num_items_in_batch"), ignore_index=ignore_index,
-        softcap=_softcap(self), chunk_size=state.chunk_size,
+        softcap=_softcap(self), options=state.options,
     )  # fmt: skip
     out = CausalLMOutputWithPast(
         loss=loss,
@@ -229,7 +215,13 @@ def _patched_forward(
     return out if return_dict else out.to_tuple()
 
 
-def patch(model: torch.nn.Module, *, chunk_size: int | str | None = "auto") -> torch.nn.Module:
+def patch(
+    model: torch.nn.Module,
+    *,
+    chunk_size: int | str | None = "auto",
+    impl: str = "auto",
+    weight_grad_dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """Make `model` (a ``transformers`` ``*ForCausalLM``) compute its loss with lmloss's fused head.
 
     After ``patch(model)``, ``model(input_ids, attention_mask=..., labels=...)`` returns the loss of
@@ -238,7 +230,8 @@ def patch(model: torch.nn.Module, *, chunk_size: int | str | None = "auto") -> t
     ``Trainer`` does under gradient accumulation; ``logits_to_keep`` slices the hidden states first) and
     the same gradients, with ``logits=None``: no ``[tokens, vocab]`` tensor is made. Tied embeddings,
     bf16 / fp16, autocast and ``final_logit_softcapping`` (Gemma 2) are handled. Without ``labels`` the
-    model's original forward runs. ``Trainer`` / TRL's ``SFTTrainer`` need no change.
+    model's original forward runs. ``transformers.Trainer`` needs no change (TRL's ``SFTTrainer`` computes
+    metrics from ``outputs.logits``: see docs/use_in_your_stack.md).
 
     One difference: a batch whose every label is ignored gives loss 0.0 (transformers gives NaN).
 
@@ -249,7 +242,8 @@ def patch(model: torch.nn.Module, *, chunk_size: int | str | None = "auto") -> t
         model: a ``PreTrainedModel`` with a decoder body (``model.base_model``) and a linear
             ``lm_head`` (``model.get_output_embeddings()``), optionally already wrapped by FSDP2's
             ``fully_shard``.
-        chunk_size: tokens per chunk of the fused head (`lmloss.linear_cross_entropy`'s argument).
+        chunk_size, impl, weight_grad_dtype: `lmloss.linear_cross_entropy`'s arguments, used for every
+            loss the patched model computes.
 
     Returns:
         `model` itself.
@@ -257,12 +251,13 @@ def patch(model: torch.nn.Module, *, chunk_size: int | str | None = "auto") -> t
     Raises:
         TypeError: `model` has no decoder body or no linear head.
         NotImplementedError: the model changes its logits in a way not reproduced here (logit scaling,
-            a router auxiliary loss), or it uses a softcap and this lmloss has no ``softcap`` argument.
+            a router auxiliary loss).
     """
     if is_patched(model):
         return model
     _check_supported(model)
-    state = _PatchState(instance_forward=model.__dict__.get("forward"), chunk_size=chunk_size)
+    options = dict(chunk_size=chunk_size, impl=impl, weight_grad_dtype=weight_grad_dtype)
+    state = _PatchState(instance_forward=model.__dict__.get("forward"), options=options)
     setattr(model, _STATE_ATTR, state)
     model.forward = _patched_forward.__get__(model, type(model))
     return model
@@ -312,8 +307,7 @@ def _fused_logprobs(head, hidden, targets, *, temperature, return_entropy, ignor
     with torch.autocast(device_type, enabled=False):
         return lmloss.linear_token_logprobs(
             hidden, weight, targets.to(hidden.device), bias=bias, temperature=temperature,
-            ignore_index=ignore_index, return_entropy=return_entropy, chunk_size=chunk_size,
-            **_softcap_kwargs(softcap),
+            ignore_index=ignore_index, return_entropy=return_entropy, chunk_size=chunk_size, softcap=softcap,
         )  # fmt: skip
 
 
