@@ -62,20 +62,34 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _transform_into(
-    out: torch.Tensor, x: torch.Tensor, math: ChunkMath, *, aliased: bool = False
+    out: torch.Tensor,
+    x: torch.Tensor,
+    math: ChunkMath,
+    *,
+    aliased: bool = False,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out = scale * softcap(x)`` in out's dtype (fp32 / fp64), the same rounding in every pass.
+    """``out = scale * softcap(x) - shift[:, None]`` in out's dtype (fp32 / fp64), the same rounding in
+    every pass. `aliased`: `out` is `x`'s memory.
 
-    Upcast first: scaling in bf16 / fp16 would round ``x * scale`` to that dtype, and a mixed-dtype
-    ``torch.mul(bf16, float, out=fp32)`` takes a slow path on CPU. `aliased`: `out` is `x`'s memory.
+    Each elementwise pass over a chunk costs about as much as its math on CPU, so the common cases take
+    one pass (``torch.sub(x, shift, out=out)``) or two. Low-precision `x` is upcast first: scaling in
+    bf16 / fp16 would round ``x * scale`` to that dtype, and mixed-dtype ops with ``out=fp32`` take a
+    slow path on CPU.
     """
-    if not aliased:
-        out.copy_(x)
-    if math.softcap:
-        out.div_(math.softcap).tanh_().mul_(math.softcap * math.scale)
-    elif math.scale != 1.0:
-        out.mul_(math.scale)
-    return out
+    same_dtype = x.dtype == out.dtype
+    if not aliased and same_dtype and not math.softcap:
+        if math.scale == 1.0:
+            return out.copy_(x) if shift is None else torch.sub(x, shift[:, None], out=out)
+        torch.mul(x, math.scale, out=out)
+    else:
+        if not aliased:
+            out.copy_(x)
+        if math.softcap:
+            out.div_(math.softcap).tanh_().mul_(math.softcap * math.scale)
+        elif math.scale != 1.0:
+            out.mul_(math.scale)
+    return out if shift is None else out.sub_(shift[:, None])
 
 
 def _needs_row_mask(inactive: torch.Tensor) -> bool:
@@ -146,8 +160,7 @@ class TorchKernels:
         # itself, the softcap slope) reuses it, so a pass holds one fp32 chunk, not two.
         slope = self._softcap_slope(x, math, "y" if in_out else "slope")  # before `out` (maybe `x`) changes
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
-        _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
-        work.sub_(lse[:, None])  # log p
+        _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
         a, d = coef[:, 0:1], coef[:, 3:4]
         if entropy is not None:
             p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
