@@ -21,15 +21,9 @@ import torch.nn.functional as F
 
 import lmloss
 import lmloss.plan
+from impl_params import DTYPES, IMPLS
 from lmloss.kernels import triton_available
 
-IMPLS = [
-    "torch",
-    pytest.param(
-        "triton", marks=pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-    ),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 IGNORE = -100
 VALUE_TOL = dict(atol=2e-5, rtol=2e-5)  # fp32 outputs, both input dtypes
 GRAD_TOL = {torch.float32: dict(atol=2e-6, rtol=2e-5), torch.bfloat16: dict(atol=1e-6, rtol=2**-8)}

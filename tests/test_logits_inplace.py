@@ -12,16 +12,9 @@ import pytest
 import torch
 
 import lmloss
-from lmloss.kernels import triton_available
+from impl_params import DTYPES, IMPLS
 from lmloss.profiling import peak_memory
 
-IMPLS = [
-    "torch",
-    pytest.param(
-        "triton", marks=pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-    ),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 IGNORE = -100
 
 pytestmark = [

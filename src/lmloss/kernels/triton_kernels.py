@@ -79,6 +79,15 @@ def _softcap_tanh(x, softcap):
 #   exp(..) == 0 terms exactly 0, target = y at label - vocab_start if owned else 0, sum_y = sum_j y_j.
 # t is kept relative to the running max; when it moves m -> m', t <- exp(m - m') * (t + (m - m') * s).
 @triton.jit
+def _scaled_logits(ptrs, mask, scale, softcap, SOFTCAP: tl.constexpr):
+    # y = scale * softcap(x) in fp32 where `mask`, -inf elsewhere (so max / exp ignore those columns)
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        y = softcap * _softcap_tanh(y, softcap)
+    return tl.where(mask, y * scale, -float("inf"))
+
+
+@triton.jit
 def _softmax_partials_kernel(
     x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, softcap,
     SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr, SUM_LOGITS: tl.constexpr,
@@ -93,10 +102,7 @@ def _softmax_partials_kernel(
     for start in range(0, valid, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < valid
-        y = tl.load(x_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            y = softcap * _softcap_tanh(y, softcap)
-        y = tl.where(in_vocab, y * scale, -float("inf"))
+        y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
         m_new = tl.maximum(m, tl.max(y, 0))
         # While everything seen is -inf, measure from 0: exp(-inf - 0) = 0 where exp(-inf - -inf) is NaN.
         ref = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -113,10 +119,7 @@ def _softmax_partials_kernel(
     if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
-        y_label = tl.load(x_row + local, mask=owned, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            y_label = softcap * _softcap_tanh(y_label, softcap)
-        target = tl.where(owned, y_label * scale, 0.0)
+        target = tl.where(owned, _scaled_logits(x_row + local, owned, scale, softcap, SOFTCAP), 0.0)
     out_row = out_ptr + row * 5
     tl.store(out_row + 0, m)
     tl.store(out_row + 1, s)
@@ -191,10 +194,7 @@ def _cross_entropy_loss_grad_kernel(
     for start in range(0, n_read, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < n_read
-        y = tl.load(x_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            y = softcap * _softcap_tanh(y, softcap)
-        y = tl.where(in_vocab, y * scale, -float("inf"))
+        y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
         m_new = tl.maximum(m, tl.max(y, 0))
         ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # as in _softmax_partials_kernel: no -inf - -inf
         s = tl.exp(m - ref) * s + tl.sum(tl.exp(y - ref), 0)
@@ -202,10 +202,7 @@ def _cross_entropy_loss_grad_kernel(
             sum_y += tl.sum(tl.where(in_vocab, y, 0.0), 0)
         m = m_new
     owned = live & (label >= 0) & (label < valid)
-    y_t = tl.load(x_row + label, mask=owned, other=0.0).to(tl.float32)
-    if SOFTCAP:
-        y_t = softcap * _softcap_tanh(y_t, softcap)
-    y_t = tl.where(owned, y_t * scale, 0.0)
+    y_t = tl.where(owned, _scaled_logits(x_row + label, owned, scale, softcap, SOFTCAP), 0.0)
     # An ignored row read nothing (m = -inf, s = 0): give it lse 0 so that no inf reaches the arithmetic below.
     m = tl.where(live, m, 0.0)
     log_s = tl.log(tl.where(live, s, 1.0))
