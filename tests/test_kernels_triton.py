@@ -7,14 +7,12 @@ program, so shapes stay tiny and tiny ``block_v`` overrides force several vocabu
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_aot import compile_for_h100
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -311,12 +309,6 @@ def test_block_table_and_argument_errors():
 # no GPU needed, Triton bundles ptxas) in a process without TRITON_INTERPRET, with the specialisations the JIT
 # makes at run time for 16-byte aligned pointers and widths / row strides that are multiples of 16.
 AOT_SCRIPT = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from lmloss.kernels import triton_kernels as tk
-
 def ptx(fn, signature, constexprs, num_warps):
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
                if name.endswith(("_ptr", "_stride")) or name in ("valid", "n_cols")}
@@ -343,18 +335,7 @@ json.dump({
 def test_kernels_compile_for_h100_with_16_byte_memory_access(tmp_path):
     """Both kernels compile for sm_90 with every flag on, and stream x / out with 128-bit loads and stores
     (v4.b32: 8 bf16 or 4 fp32 per access) when the JIT sees aligned pointers and widths."""
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton has no NVIDIA backend")
-    import lmloss
-
-    src = str(Path(lmloss.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    access = json.loads(run.stdout)
+    access = compile_for_h100(AOT_SCRIPT, tmp_path)
     assert "ld.global.v4" in access["forward"], access
     for kernel in ("backward", "backward_fp32_out"):
         assert "ld.global.v4" in access[kernel] and "st.global.v4" in access[kernel], access

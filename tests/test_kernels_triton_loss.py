@@ -9,15 +9,13 @@ several vocabulary blocks per row.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_aot import compile_for_h100
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -187,12 +185,6 @@ def test_all_rows_ignored_and_argument_errors():
 # no GPU needed, Triton bundles ptxas) without TRITON_INTERPRET, as the JIT specialises aligned pointers and
 # widths, and check it streams x and out with 128-bit accesses in both of its passes.
 AOT_SCRIPT = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from lmloss.kernels import triton_kernels as tk
-
 sig = {"x_ptr": "*bf16", "x_row_stride": "i32", "out_ptr": "*bf16", "out_row_stride": "i32", "labels_ptr": "*i64",
        "res_ptr": "*fp32", "n_cols": "i32", "n_blocks": "i32", "valid": "i32", "ignore_index": "i32",
        "scale": "fp32", "softcap": "fp32", "eps": "fp32", "z_loss": "fp32", "inv_vocab": "fp32"}
@@ -206,18 +198,7 @@ json.dump(re.findall(r"(?:ld|st)[.]global[.][\\w.]+", code), sys.stdout)
 
 
 def test_kernel_compiles_for_h100_with_16_byte_memory_access(tmp_path):
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this triton has no NVIDIA backend")
-    import lmloss
-
-    src = str(Path(lmloss.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    access = json.loads(run.stdout)
+    access = compile_for_h100(AOT_SCRIPT, tmp_path)
     split = access.index("st.global.b32")  # the per-row (lse, loss) stores, between the two passes
     assert "ld.global.v4.b32" in access[:split], access  # pass 1 reads x 16 bytes at a time
     assert "ld.global.v4.b32" in access[split:] and "st.global.v4.b32" in access[split:], access  # pass 2
