@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from lmloss import _validate
-from lmloss.kernels import ChunkMath, make_kernels, resolve_impl
+from lmloss.kernels import ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.vocab_parallel import (
     ProcessGroup,
     VocabShard,
@@ -217,10 +217,6 @@ def has_uniform_term(plan: LossPlan, upstream: dict[str, torch.Tensor | None]) -
 # the chunk loop
 
 
-def result_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def forward_pass(
     plan: LossPlan,
     n: int,
@@ -237,7 +233,7 @@ def forward_pass(
     chunk's logits are at hand and handed to the sink: the scalar-loss paths need no backward pass.
     """
     keys = (*plan.outputs, "lse")
-    results = {k: torch.empty(n, dtype=result_dtype(dtype), device=device) for k in keys}
+    results = {k: torch.empty(n, dtype=compute_dtype(dtype), device=device) for k in keys}
     kernels = plan.kernels(n, device)
     uniform = plan.label_smoothing > 0
     overwrite = getattr(source, "owns_chunks", False)

@@ -56,6 +56,11 @@ class ChunkMath:
     softcap: float = 0.0
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the per-chunk math and the per-token outputs use: float64 for float64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmloss.kernels import ChunkMath
+from lmloss.kernels import ChunkMath, compute_dtype
 
 _FP32_MIN = torch.finfo(torch.float32).min
 
@@ -55,10 +55,6 @@ def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _transform_into(
