@@ -88,6 +88,16 @@ def _scaled_logits(ptrs, mask, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _online_step(m, y):
+    # One block of the streaming softmax: the new running max, the reference the exps are taken from
+    # (0 while everything seen is -inf: exp(-inf - 0) = 0 where exp(-inf - -inf) is NaN), the factor
+    # that rescales the sums so far (0 on the first finite block, m = -inf) and the block's exps.
+    m_new = tl.maximum(m, tl.max(y, 0))
+    ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+    return m_new, ref, tl.exp(m - ref), tl.exp(y - ref)
+
+
+@triton.jit
 def _softmax_partials_kernel(
     x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, softcap,
     SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr, SUM_LOGITS: tl.constexpr,
@@ -103,11 +113,7 @@ def _softmax_partials_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < valid
         y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
-        m_new = tl.maximum(m, tl.max(y, 0))
-        # While everything seen is -inf, measure from 0: exp(-inf - 0) = 0 where exp(-inf - -inf) is NaN.
-        ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - ref)  # 0 on the first finite block (m = -inf)
-        e = tl.exp(y - ref)
+        m_new, ref, alpha, e = _online_step(m, y)
         if ENTROPY:
             shift = tl.where(s > 0, m - ref, 0.0)  # s == 0 means m = -inf: -inf * 0 would be NaN
             t = alpha * (t + shift * s) + tl.sum(e * tl.where(e > 0, y - ref, 0.0), 0)
@@ -195,9 +201,8 @@ def _cross_entropy_loss_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < n_read
         y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
-        m_new = tl.maximum(m, tl.max(y, 0))
-        ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # as in _softmax_partials_kernel: no -inf - -inf
-        s = tl.exp(m - ref) * s + tl.sum(tl.exp(y - ref), 0)
+        m_new, _, alpha, e = _online_step(m, y)
+        s = alpha * s + tl.sum(e, 0)
         if SMOOTHING:
             sum_y += tl.sum(tl.where(in_vocab, y, 0.0), 0)
         m = m_new
