@@ -7,12 +7,10 @@ program, so shapes stay tiny and tiny ``block_v`` overrides force several vocabu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from triton_aot import compile_for_h100
+from triton_support import compile_for_h100, kernel_test_device
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -25,12 +23,7 @@ from lmloss.kernels.triton_kernels import (  # noqa: E402
     softmax_partials,
 )
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+DEVICE = kernel_test_device()
 
 NAN, INF = float("nan"), float("inf")
 IGNORE = -100

@@ -9,25 +9,18 @@ several vocabulary blocks per row.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_aot import compile_for_h100
+from triton_support import compile_for_h100, kernel_test_device
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
 from lmloss.kernels import ChunkMath  # noqa: E402
 from lmloss.kernels.triton_kernels import TritonKernels, cross_entropy_loss_and_grad_  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+DEVICE = kernel_test_device()
 
 NAN, INF = float("nan"), float("inf")
 IGNORE = -100

@@ -1,7 +1,8 @@
-"""Compile lmloss's Triton kernels ahead of time for an H100 (sm_90) without a GPU, in a child process.
+"""What the Triton kernel test modules share: where their tensors live, and an ahead-of-time compile for
+an H100 (sm_90) without a GPU.
 
 The test process runs Triton's interpreter (TRITON_INTERPRET=1 is read once, at import), so the compile
-happens in a fresh interpreter with it off and a private cache. Used by the kernel test modules.
+happens in a child process with it off and a private cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
+
+
+def kernel_test_device() -> str:
+    """``"cpu"`` under the interpreter, ``"cuda"`` with it off and a GPU; else the calling module is skipped."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+
 
 PREAMBLE = """
 import json, re, sys
