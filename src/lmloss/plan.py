@@ -17,7 +17,6 @@ output's gradient has the form ``a*p + b*onehot(label) + c + d*p*(log p + H)`` p
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -85,10 +84,6 @@ class LossPlan:
         return make_kernels(self.impl, max(rows, 1), self.shard.size, device)
 
 
-def _float_bits(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
-
-
 def make_plan(
     *,
     n_tokens: int,
@@ -127,9 +122,9 @@ def make_plan(
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
-        outputs=sum(1 << OUTPUTS.index(k) for k in outputs), temperature=_float_bits(temperature),
-        softcap=_float_bits(softcap or 0.0), label_smoothing=_float_bits(label_smoothing),
-        z_loss=_float_bits(z_loss), **(agree or {}),
+        outputs=sum(1 << OUTPUTS.index(k) for k in outputs), temperature=float(temperature),
+        softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+        **(agree or {}),
     )  # fmt: skip
     distributed = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
     bounds = None if labels is None or not distributed else _validate.label_bounds(labels, ignore_index)

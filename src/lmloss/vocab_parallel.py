@@ -73,7 +73,7 @@ def resolve_shard(
     vocab_start: int | None,
     vocab_size: int | None,
     device: torch.device,
-    agree: dict[str, int] | None = None,
+    agree: dict[str, int | float] | None = None,
     label_bounds: torch.Tensor | None = None,
 ) -> tuple[VocabShard, int]:
     """This rank's vocabulary shard, checked against every other rank's; returns ``(shard, max V_local)``.
@@ -130,19 +130,29 @@ def resolve_shard(
 _FIXED_FIELDS = ("V_local", "vocab_start_given", "vocab_start", "vocab_size", "label_min", "label_max")
 _PER_RANK_FIELDS = ("V_local", "vocab_start", "label_min", "label_max")
 #: `agree` fields that `lmloss.plan.make_plan` packs as the bits of a float64
-_FLOAT_FIELDS = ("temperature", "softcap", "label_smoothing", "z_loss")
 
 
 def _gather_metadata(group, local_size, vocab_start, vocab_size, agree, label_bounds, device) -> list[dict]:
+    """Every rank's metadata, one dict per rank. Floats in `agree` travel as their float64 bits (int64)
+    and come back as floats."""
+    floats = {name for name, v in agree.items() if isinstance(v, float)}
+    encoded = [_float_bits(v) if name in floats else int(v) for name, v in agree.items()]
     fixed = [local_size, vocab_start is not None, vocab_start or 0, -1 if vocab_size is None else vocab_size]
-    mine = torch.tensor([*fixed, *agree.values()], dtype=torch.int64, device=device)
+    mine = torch.tensor([*fixed, *encoded], dtype=torch.int64, device=device)
     if label_bounds is None:
         label_bounds = torch.zeros(2, dtype=torch.int64, device=device)
     mine = torch.cat([mine[:4], label_bounds.to(device=device, dtype=torch.int64), mine[4:]])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     names = (*_FIXED_FIELDS, *agree)
-    return [dict(zip(names, t.tolist())) for t in everyone]
+    ranks = [dict(zip(names, t.tolist())) for t in everyone]
+    for r in ranks:
+        r.update({name: struct.unpack("<d", struct.pack("<q", r[name]))[0] for name in floats})
+    return ranks
+
+
+def _float_bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", v))[0]
 
 
 def _check_agreement(ranks: list[dict]) -> None:
@@ -152,8 +162,6 @@ def _check_agreement(ranks: list[dict]) -> None:
             continue
         values = [r[name] for r in ranks]
         if len(set(values)) > 1:
-            if name in _FLOAT_FIELDS:  # gathered as the float64's bits (int64), shown as the floats
-                values = [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
             shown = {
                 "vocab_start_given": "vocab_start passed (1) or not (0)",
                 "vocab_size": "vocab_size (-1: None)",
