@@ -36,6 +36,7 @@ from lmloss._autograd import once_differentiable
 from lmloss.kernels.torch_ref import ChunkScratch
 from lmloss.logits import reduce_loss
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
+from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, reduce_scatter_rows, world_size
 
 #: Working-set budget for ``chunk_size="auto"`` (MiB); override with ``LMLOSS_CHUNK_BUDGET_MIB``. What
@@ -191,17 +192,22 @@ class _LinearSoftmaxPerToken(torch.autograd.Function):
             plan, hidden.shape[0], source, labels, device=hidden.device, dtype=hidden.dtype
         )
         ctx.plan, ctx.opts = plan, opts
-        ctx.save_for_backward(hidden, weight, bias, labels, results["lse"], results.get("entropy"))
+        ctx.save_for_backward(
+            hidden, weight, bias, labels, results["lse"], results.get("entropy"), results.get("keep_min"),
+            results.get("dropped"),
+        )  # fmt: skip
         ctx.set_materialize_grads(False)
-        return tuple(results[k] for k in plan.outputs)
+        if "log_kept_mass" in results:
+            ctx.mark_non_differentiable(results["log_kept_mass"])
+        return tuple(results[k] for k in plan.returned)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads_out):
         plan: LossPlan = ctx.plan
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, keep_min, dropped = ctx.saved_tensors
         upstream = dict(zip(plan.outputs, grads_out))
-        coef = grad_coefficients(plan, labels, lse, upstream)
+        coef = grad_coefficients(plan, labels, lse, upstream, dropped)
         if coef is None:
             return None, None, None, None, None, None
         scratch = _pass_scratch(plan, hidden)
@@ -209,7 +215,7 @@ class _LinearSoftmaxPerToken(torch.autograd.Function):
         backward_pass(
             plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, ctx.opts["chunk_dtype"]), labels, lse,
             entropy if upstream.get("entropy") is not None else None, coef, acc, device=hidden.device,
-            uniform_term=has_uniform_term(plan, upstream),
+            uniform_term=has_uniform_term(plan, upstream), keep_min=keep_min,
         )  # fmt: skip
         grads = acc.finish(hidden, weight, bias, plan.tp_group)
         return (*grads, None, None, None)
@@ -346,7 +352,12 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    support: torch.Tensor | None = None,
+    return_log_kept_mass: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`lmloss.token_logprobs` of ``hidden @ weight.T + bias``, without materializing the logits.
 
     Args:
@@ -363,21 +374,41 @@ def linear_token_logprobs(
         weight_grad_dtype: dtype of the weight-gradient accumulator, ``torch.float32`` (default) or the
             weight's own dtype (saves ``4 - 2`` bytes per weight element for bf16, at the precision cost
             stated in the README).
+        top_k, top_p, min_p, return_log_kept_mass: the rollout engine's truncation, recomputed per chunk
+            (as in `lmloss.token_logprobs`).
+        support: the engine's kept ids ``[..., K]`` (-1 padded): each chunk multiplies its hidden rows by
+            only the weight rows its ids name (`lmloss.replay`). Not with ``sequence_parallel``.
         Other arguments as in `lmloss.token_logprobs` (`temperature`, `softcap`, `impl`, ...).
 
     Returns:
-        fp32 ``[...]`` log-probs (0.0 where ignored), or ``(logprobs, entropy)``; the same on every TP rank.
-        Gradients flow to `hidden`, `weight` and `bias` for any per-token upstream gradients.
+        fp32 ``[...]`` log-probs (0.0 where ignored), then entropy and log kept mass if asked (a tuple);
+        the same on every TP rank. Gradients flow to `hidden`, `weight` and `bias` for any per-token
+        upstream gradients.
     """
+    if support is not None:
+        from lmloss.replay import replay_over_hidden
+
+        return replay_over_hidden(
+            hidden, weight, labels, support, bias=bias, top=(top_k, top_p, min_p, return_log_kept_mass),
+            chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+            vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
+            return_entropy=return_entropy, impl=impl,
+        )  # fmt: skip
+    n_tokens = math.prod(hidden.shape[:-1]) * (world_size(tp_group) if sequence_parallel else 1)
+    sampling = make_sampling(
+        top_k, top_p, min_p, n_tokens=n_tokens, device=hidden.device, log_kept_mass=return_log_kept_mass
+    )
     flat, flat_labels, plan, opts, shape = _prepare(
         hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
-        outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
+        outputs=("logprobs", "entropy") if return_entropy else ("logprobs",), sampling=sampling,
     )  # fmt: skip
     outs = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan, opts)
     outs = tuple(o.view(shape) for o in outs)
-    return outs if return_entropy else outs[0]
+    if sampling is not None:
+        report_dropped(outs[0], flat_labels.view(shape), ignore_index)
+    return outs if len(outs) > 1 else outs[0]
 
 
 def linear_cross_entropy(

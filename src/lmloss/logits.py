@@ -14,6 +14,7 @@ import torch
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
+from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 #: Tokens per chunk of the PyTorch implementation under ``chunk_size="auto"``. The Triton kernels hold
@@ -67,24 +68,28 @@ class _SoftmaxOverLogits(torch.autograd.Function):
         n = logits.shape[0]
         results = forward_pass(plan, n, _rows_of(logits), labels, device=logits.device, dtype=logits.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(logits, labels, results["lse"], results.get("entropy"))
+        ctx.save_for_backward(
+            logits, labels, results["lse"], results.get("entropy"), results.get("keep_min"), results.get("dropped")
+        )
         ctx.set_materialize_grads(False)
-        return tuple(results[k] for k in plan.outputs)
+        if "log_kept_mass" in results:
+            ctx.mark_non_differentiable(results["log_kept_mass"])
+        return tuple(results[k] for k in plan.returned)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
         plan: LossPlan = ctx.plan
-        logits, labels, lse, entropy = ctx.saved_tensors
+        logits, labels, lse, entropy, keep_min, dropped = ctx.saved_tensors
         upstream = dict(zip(plan.outputs, grads))
-        coef = grad_coefficients(plan, labels, lse, upstream)
+        coef = grad_coefficients(plan, labels, lse, upstream, dropped)
         if coef is None:
             return None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         backward_pass(
             plan, logits.shape[0], _rows_of(logits), labels, lse,
             entropy if upstream.get("entropy") is not None else None, coef, _BufferSink(grad),
-            device=logits.device, uniform_term=has_uniform_term(plan, upstream),
+            device=logits.device, uniform_term=has_uniform_term(plan, upstream), keep_min=keep_min,
         )  # fmt: skip
         return grad, None, None
 
@@ -188,7 +193,12 @@ def token_logprobs(
     vocab_start: int | None = None,
     return_entropy: bool = False,
     impl: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    support: torch.Tensor | None = None,
+    return_log_kept_mass: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probability of each label: ``log_softmax(softcap(logits) / temperature)[..., label]``.
 
     Args:
@@ -210,20 +220,43 @@ def token_logprobs(
         return_entropy: also return the entropy of the tempered softmax over the whole vocabulary,
             differentiable, at every position (ignore_index does not mask it).
         impl: ``"auto"`` (Triton on CUDA when triton imports, else PyTorch), ``"torch"`` or ``"triton"``.
+        top_k, top_p, min_p: the rollout engine's truncation, a number or one value per token (a tensor
+            shaped like `labels`): the log-probs, entropy and gradients are those of the distribution
+            vLLM samples from, renormalised over the kept set (`lmloss.sampling`, docs/sampling.md).
+            A label outside the kept set gets -inf with no gradient, and a warning counts them.
+            PyTorch kernels only for now (``impl="auto"`` picks them).
+        support: instead of recomputing, the kept ids the engine returned, ``[..., K]`` (-1 padded;
+            `lmloss.sampling.support_from_offsets` converts vLLM's ids + offsets): renormalise over them.
+        return_log_kept_mass: also return ``log`` of the kept set's probability under the full tempered
+            softmax (not differentiable; with top_k / top_p / min_p).
 
     Returns:
-        fp32 ``[...]`` log-probs (fp64 for fp64 logits), or ``(logprobs, entropy)``. Each output is the
-        same on every TP rank.
+        fp32 ``[...]`` log-probs (fp64 for fp64 logits), then entropy and log kept mass if asked (a
+        tuple). Each output is the same on every TP rank.
     """
     labels = _check_logits(logits, labels)
+    n_tokens = math.prod(labels.shape)
+    if support is not None:
+        from lmloss.replay import replay_over_logits
+
+        return replay_over_logits(
+            logits, labels, support, top=(top_k, top_p, min_p, return_log_kept_mass), chunk_size=chunk_size,
+            temperature=temperature, softcap=softcap, ignore_index=ignore_index, vocab_size=vocab_size,
+            tp_group=tp_group, vocab_start=vocab_start, return_entropy=return_entropy, impl=impl,
+        )  # fmt: skip
+    sampling = make_sampling(
+        top_k, top_p, min_p, n_tokens=n_tokens, device=logits.device, log_kept_mass=return_log_kept_mass
+    )
     plan = _plan(
         logits, labels, outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
+        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, sampling=sampling,
     )  # fmt: skip
     outs = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
     outs = tuple(o.view(labels.shape) for o in outs)
-    return outs if return_entropy else outs[0]
+    if sampling is not None:
+        report_dropped(outs[0], labels, ignore_index)
+    return outs if len(outs) > 1 else outs[0]
 
 
 def token_entropy(
@@ -236,14 +269,19 @@ def token_entropy(
     tp_group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     impl: str = "auto",
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``p = softmax(softcap(logits) / temperature)`` over the global
-    vocabulary. `logits` ``[..., V_local]`` -> fp32 ``[...]``, differentiable. Arguments as in
-    `token_logprobs`."""
+    vocabulary (over the kept set, renormalised, with top_k / top_p / min_p). `logits` ``[..., V_local]``
+    -> fp32 ``[...]``, differentiable. Arguments as in `token_logprobs`."""
     _check_logits(logits, None)
+    sampling = make_sampling(top_k, top_p, min_p, n_tokens=math.prod(logits.shape[:-1]), device=logits.device)
     plan = _plan(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
+        sampling=sampling,
     )  # fmt: skip
     (entropy,) = _SoftmaxOverLogits.apply(*_flat(logits, None), plan)
     return entropy.view(logits.shape[:-1])

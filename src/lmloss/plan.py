@@ -24,6 +24,7 @@ import torch
 
 from lmloss import _validate
 from lmloss.kernels import ChunkMath, compute_dtype, make_kernels, resolve_impl
+from lmloss.sampling import Sampling, keep_thresholds
 from lmloss.vocab_parallel import (
     ProcessGroup,
     VocabShard,
@@ -65,6 +66,14 @@ class LossPlan:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     tp_group: ProcessGroup | None = None
+    #: the rollout engine's truncation (`lmloss.sampling`): a per-row kept set; None for the full softmax
+    sampling: Sampling | None = None
+
+    @property
+    def returned(self) -> tuple[str, ...]:
+        """What the op returns: `outputs`, then ``"log_kept_mass"`` (not differentiable) if asked."""
+        wants_mass = self.sampling is not None and self.sampling.log_kept_mass
+        return (*self.outputs, "log_kept_mass") if wants_mass else self.outputs
 
     @property
     def flags(self) -> dict[str, bool]:
@@ -104,6 +113,7 @@ def make_plan(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     agree: dict[str, int] | None = None,
+    sampling: Sampling | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
@@ -118,7 +128,14 @@ def make_plan(
     _validate.check_vocab_size(vocab_size)
     _validate.check_vocab_start(vocab_start)
     _validate.check_chunk_size(chunk_size)
+    requested = impl
     impl = resolve_impl(impl, device, dtype)
+    if sampling is not None:
+        # the kept-set threshold is in the PyTorch reference kernels only, for now
+        if requested == "triton":
+            raise ValueError('top_k / top_p / min_p run on impl="torch" for now (impl="auto" picks it)')
+        impl = "torch"
+        agree = {**(agree or {}), **sampling.agree_fields()}
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
@@ -142,7 +159,7 @@ def make_plan(
     )
     return LossPlan(
         shard=shard, math=math, impl=impl, chunk_size=chunk_size, outputs=outputs, ignore_index=ignore_index,
-        label_smoothing=float(label_smoothing), z_loss=float(z_loss), tp_group=tp_group,
+        label_smoothing=float(label_smoothing), z_loss=float(z_loss), tp_group=tp_group, sampling=sampling,
     )  # fmt: skip
 
 
@@ -175,10 +192,15 @@ def finish(plan: LossPlan, combined: torch.Tensor, labels: torch.Tensor | None) 
 
 
 def grad_coefficients(
-    plan: LossPlan, labels: torch.Tensor | None, lse: torch.Tensor, upstream: dict[str, torch.Tensor | None]
+    plan: LossPlan,
+    labels: torch.Tensor | None,
+    lse: torch.Tensor,
+    upstream: dict[str, torch.Tensor | None],
+    dropped: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Upstream gradients of the per-token outputs (``[N]`` each, None = unused) -> ``coef [N, 4]``
-    (``a, b, c, d``); None when no output has a gradient."""
+    (``a, b, c, d``); None when no output has a gradient. `dropped` ``[N]`` bool: labels outside the
+    sampling kept set, whose log-prob (-inf) has no gradient."""
     g_lp, g_h, g_loss = (upstream.get(k) for k in OUTPUTS)
     if g_lp is None and g_h is None and g_loss is None:
         return None
@@ -187,6 +209,8 @@ def grad_coefficients(
     if g_lp is not None or g_loss is not None:
         # where(), not a multiply: an inf or NaN upstream at an ignored position must give no gradient
         valid = labels != plan.ignore_index
+        if dropped is not None:
+            valid = valid & ~dropped
     if g_lp is not None:  # d logp_t / dy = onehot - p
         g = torch.where(valid, g_lp.to(lse.dtype), 0.0)
         a.sub_(g)
@@ -227,8 +251,14 @@ def forward_pass(
     With `grad_sink`, also the gradient of ``sum(loss)`` (upstream 1 per token), computed while each
     chunk's logits are at hand and handed to the sink: the scalar-loss paths need no backward pass.
     """
-    keys = (*plan.outputs, "lse")
+    if plan.sampling is not None and grad_sink is not None:
+        raise ValueError("top_k / top_p / min_p are for per-token outputs, not a summed loss")
+    keys = (*plan.returned, "lse")
+    if plan.sampling is not None:
+        keys = (*keys, "keep_min", "dropped")
     results = {k: torch.empty(n, dtype=compute_dtype(dtype), device=device) for k in keys}
+    if plan.sampling is not None:
+        results["dropped"] = torch.zeros(n, dtype=torch.bool, device=device)
     kernels = plan.kernels(n, device)
     uniform = plan.label_smoothing > 0
     overwrite = getattr(source, "owns_chunks", False)
@@ -241,9 +271,26 @@ def forward_pass(
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
+        keep_min = None
+        if plan.sampling is not None:  # the kept set's per-row threshold (collectives over tp_group)
+            keep_min, full_lse = keep_thresholds(
+                kernels.scaled(x, plan.math), plan.sampling.rows(s, e), plan.sampling.k_max,
+                group=plan.tp_group, scratch=kernels.scratch, want_full_lse=plan.sampling.log_kept_mass,
+            )  # fmt: skip
         if grad_sink is None:
-            partials = kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite)
+            partials = kernels.softmax_partials(
+                x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite,
+                **({} if keep_min is None else {"keep_min": keep_min}),
+            )  # fmt: skip
             stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
+            if keep_min is not None:
+                stats["keep_min"] = keep_min
+                if chunk_labels is not None and "logprobs" in stats:
+                    stats["dropped"] = (chunk_labels != plan.ignore_index) & torch.isneginf(stats["logprobs"])
+                else:
+                    stats["dropped"] = False
+                if plan.sampling.log_kept_mass:
+                    stats["log_kept_mass"] = stats["lse"] - full_lse
         else:
 
             def finish_with_grad(partials, chunk_labels=chunk_labels):
@@ -285,6 +332,7 @@ def backward_pass(
     *,
     device: torch.device,
     uniform_term: bool,
+    keep_min: torch.Tensor | None = None,
 ) -> None:
     """Walk the chunks again: each chunk's gradient from the saved `lse` (and `entropy`, passed only when
     its upstream gradient is used) and the per-token coefficients ``coef [n, 4]``. No collectives."""
@@ -295,5 +343,6 @@ def backward_pass(
         kernels.softmax_grad_(
             x, None if labels is None else labels[s:e], lse[s:e], None if entropy is None else entropy[s:e],
             coef[s:e], plan.math, out, uniform_term=uniform_term,
+            **({} if keep_min is None else {"keep_min": keep_min[s:e]}),
         )  # fmt: skip
         grad_sink.consume(s, e, out)

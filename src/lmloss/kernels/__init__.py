@@ -27,6 +27,15 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
 whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
+
+Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softmax_grad_`` and
+``partials_then_grad_`` take an optional ``keep_min [c]`` (y's dtype). A valid column with
+``y_j < keep_min`` is outside the row's distribution, like padding: it adds nothing to the partials (its
+target is -inf when it is the label), and its gradient is 0; ``p`` above is then the renormalised
+probability over the kept columns (``lse`` is theirs). The comparison is on ``y`` rounded exactly as the
+partials round it (`TorchKernels.scaled`), so forward and backward agree on the set. A row with no kept
+column on this shard (TP) gives ``m = -inf``, ``s = t = 0``. PyTorch reference only for now: the plan
+runs sampling ops on ``impl="torch"``; the Triton kernels do not take the argument.
 """
 
 from __future__ import annotations

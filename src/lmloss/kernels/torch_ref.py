@@ -102,13 +102,21 @@ class TorchKernels:
         self.scratch = ChunkScratch(max_rows, cols, device)
 
     def softmax_partials(
-        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False
-    ) -> torch.Tensor:
-        """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place."""
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
+        keep_min=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place.
+        `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None."""
         with serial_row_reductions(x.shape[0], x.device):
-            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite, keep_min=keep_min)
 
-    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps):
+    def scaled(self, x, math: ChunkMath) -> torch.Tensor:
+        """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
+        and the gradient round it (the kept-set thresholds are found on these values)."""
+        acc = compute_dtype(x.dtype)
+        return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
+
+    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps, keep_min=None):
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         out = torch.zeros((rows, 5), dtype=acc, device=x.device)
@@ -118,10 +126,12 @@ class TorchKernels:
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
             y = _transform_into(xv, xv, math, aliased=True)
-        elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
+        elif x.dtype == acc and math.scale == 1.0 and not math.softcap and keep_min is None:
             y = xv  # read-only: shifted into scratch below in one pass
         else:
             y = _transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
+        if keep_min is not None:  # outside the kept set: -inf, like a sampler's mask (exp 0, no gradient)
+            y.masked_fill_(y < keep_min[:, None], float("-inf"))
         m = y.amax(dim=-1)
         out[:, 0] = m
         if target:
@@ -131,8 +141,10 @@ class TorchKernels:
             out[:, 4] = y.sum(dim=-1)
         if y is xv and not keep_exps:
             shifted = torch.sub(xv, m[:, None], out=self.scratch.get("y", rows, n_valid, acc))
-        else:
+        elif keep_min is None:
             shifted = y.sub_(m[:, None])
+        else:  # a row with no kept column on this shard (TP): shift by 0, so that its sums are 0, not NaN
+            shifted = y.sub_(torch.where(m == float("-inf"), 0.0, m)[:, None])
         if entropy:
             # logits of -inf (a sampler's mask) would make exp * shifted = 0 * -inf = NaN; a finite floor
             # gives the same exp (0) and a 0 contribution
@@ -145,9 +157,10 @@ class TorchKernels:
         return out
 
     def softmax_grad_(
-        self, x, labels, lse, entropy, coef, math: ChunkMath, out, *, uniform_term: bool = True
+        self, x, labels, lse, entropy, coef, math: ChunkMath, out, *, uniform_term: bool = True, keep_min=None
     ) -> torch.Tensor:
-        """`uniform_term=False` promises ``coef[:, 2] == 0`` (no label smoothing), saving one pass."""
+        """`uniform_term=False` promises ``coef[:, 2] == 0`` (no label smoothing), saving one pass.
+        `keep_min` ``[c]``: the rows' kept-set thresholds (the same as the partials had), or None."""
         n_valid = math.valid
         acc = compute_dtype(x.dtype)
         rows = x.shape[0]
@@ -156,7 +169,11 @@ class TorchKernels:
         # itself, the softcap slope) reuses it, so a pass holds one fp32 chunk, not two.
         slope = self._softcap_slope(x, math, "y" if in_out else "slope")  # before `out` (maybe `x`) changes
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
-        _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
+        if keep_min is None:
+            _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
+        else:  # compare y itself (rounded as in the partials) with the threshold, then shift
+            _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
+            work.masked_fill_(work < keep_min[:, None], float("-inf")).sub_(lse[:, None])
         a, d = coef[:, 0:1], coef[:, 3:4]
         if entropy is not None:
             p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
@@ -170,7 +187,9 @@ class TorchKernels:
         out[:, n_valid:].zero_()
         return out
 
-    def partials_then_grad_(self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True):
+    def partials_then_grad_(
+        self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True, keep_min=None
+    ):
         """`softmax_partials`, then ``finish(partials) -> (result, coef)`` (the TP combine and the output
         math), then `softmax_grad_` into `out`; returns `result`.
 
@@ -180,11 +199,11 @@ class TorchKernels:
         """
         reuse = out is x and x.dtype == torch.float32 and not math.softcap and not flags.get("entropy")
         with serial_row_reductions(x.shape[0], x.device):
-            partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
+            partials = self._partials(x, labels, math, keep_exps=reuse, keep_min=keep_min, **flags)
         result, coef, lse = finish(partials)
         if not reuse:
             return result, self.softmax_grad_(
-                x, labels, lse, None, coef, math, out, uniform_term=uniform_term
+                x, labels, lse, None, coef, math, out, uniform_term=uniform_term, keep_min=keep_min
             )
         work = x[:, : math.valid]
         work.mul_((coef[:, 0] * torch.exp(partials[:, 0] - lse))[:, None])

@@ -1,0 +1,492 @@
+"""The distribution a rollout engine sampled from: min-p, top-k and top-p kept sets, recomputed or replayed.
+
+vLLM's sampler (``vllm/v1/sample/sampler.py``, ``ops/topk_topp_sampler.py``) turns logits into the
+distribution it samples from in this order: temperature, then min-p (keep ``p >= min_p * max p``), then
+top-k (keep values ``>=`` the k-th largest: ties at the boundary are kept), then top-p over the
+renormalised result (sorted ascending, drop the tokens whose cumulative probability is ``<= 1 - top_p``,
+always keep the most likely one). Each step keeps a *top set* of the scaled logits ``y``, so the kept set
+of a row is ``{j : y_j >= keep_min}`` for one per-row threshold ``keep_min``; the per-chunk kernels take
+that threshold (`lmloss.kernels`) and give the log-probs, entropy and gradient of the renormalised
+distribution over it.
+
+This module finds the thresholds without sorting the vocabulary (`keep_thresholds`):
+
+* min-p: ``keep_min = M + log(min_p)`` from the global row max ``M`` (rounded up to fp32, so the fp32
+  comparison is the exact one);
+* top-k: the k-th largest value of the row: ``topk`` of each shard's valid columns, gathered over the TP
+  group, ``topk`` again;
+* top-p: a token is kept iff the mass strictly above it is ``< top_p * Z`` (``Z``: mass of the set kept
+  so far). Two per-row histograms of that mass over the value range (256 bins, then 256 bins inside the
+  bin where the cumulative mass crosses ``top_p * Z``; each one pass over the chunk and one all-reduce of
+  ``[c, 258]``) leave a handful of candidate tokens per row; their values are gathered over the group and
+  the exact crossing is found among them in float64, from the float64-accumulated mass above them. A
+  row whose crossing fell outside the candidates (fp32 rounding of a histogram at a bin edge) is solved
+  by a dense sort of that row (rare; counted in `FALLBACK_ROWS`).
+
+Ties: top-k keeps ties at the k-th value, as vLLM does. At the top-p boundary vLLM's choice among equal
+values depends on its sort's order; here all tokens equal to the smallest kept value are kept.
+
+Replay (`support=`): the ids the engine kept per token, ``[N, K]`` padded with -1 (`support_from_offsets`
+converts vLLM's flat ids + offsets), replace the recomputation: the op works on the ``[N, K]`` slots of
+those ids (`gather_support`), fused ops matmul only the weight rows the chunk's ids name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_max_, all_reduce_sum_, world_size
+
+#: Value bins of the top-p histogram (per row).
+TOP_P_BINS = 2048
+#: Bins taken as candidates on each side of the crossing one: the fp32 histogram may misplace the
+#: crossing by a bin; the exact float64 search over the window corrects that.
+TOP_P_WINDOW = 1
+#: Rows (since import) whose top-p crossing was solved by the dense fallback; for tests and curiosity.
+FALLBACK_ROWS = [0]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The engine's truncation, per token (flat ``[N]`` tensors) or one number for all; None = off.
+
+    top_k: int64 ``[N]`` (or int) >= 1; a value >= the vocabulary keeps everything.
+    top_p: float64 ``[N]`` (or float) in (0, 1]; 1 keeps everything.
+    min_p: float64 ``[N]`` (or float) in [0, 1]; 0 keeps everything.
+    k_max: the largest top_k (0 without top_k), agreed across TP ranks.
+    log_kept_mass: also return ``log`` of the kept set's probability under the full softmax.
+    """
+
+    top_k: torch.Tensor | int | None = None
+    top_p: torch.Tensor | float | None = None
+    min_p: torch.Tensor | float | None = None
+    k_max: int = 0
+    log_kept_mass: bool = False
+
+    def rows(self, s: int, e: int) -> dict[str, torch.Tensor | int | float | None]:
+        """The parameters of tokens ``[s, e)``."""
+
+        def part(v):
+            return v[s:e] if isinstance(v, torch.Tensor) else v
+
+        return dict(top_k=part(self.top_k), top_p=part(self.top_p), min_p=part(self.min_p))
+
+    def agree_fields(self) -> dict[str, int | float]:
+        """What every TP rank must agree on (tensors: their presence, k_max)."""
+
+        def code(v, off):
+            if v is None:
+                return off
+            return -3.0 if isinstance(v, torch.Tensor) else float(v)
+
+        return dict(
+            top_k_max=self.k_max, top_p=code(self.top_p, 2.0), min_p=code(self.min_p, -1.0),
+            log_kept_mass=int(self.log_kept_mass),
+        )  # fmt: skip
+
+
+def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
+    """A number or an ``[N]``-shaped tensor (any shape with N elements, flattened) in range."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if integer and (value.is_floating_point() or value.dtype == torch.bool):
+            raise TypeError(f"{name} must be an int or an integer tensor, got {value.dtype}")
+        if not integer and not (value.is_floating_point() or value.dtype != torch.bool):
+            raise TypeError(f"{name} must be a float or a float tensor, got {value.dtype}")
+        if value.numel() != n:
+            raise ValueError(
+                f"{name} as a tensor must have one value per token ({n}), got shape {tuple(value.shape)}"
+            )
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the logits are on {device}")
+        flat = value.reshape(-1).to(torch.int64 if integer else torch.float64)
+        lo_bad = (flat <= low) if low_open else (flat < low)
+        bad = lo_bad | (flat > high) | (flat != flat)
+        if n and bool(bad.any()):
+            raise ValueError(
+                f"{name} values must be in {'(' if low_open else '['}{low}, {high}], found {flat[bad][0].item()}"
+            )
+        return flat
+    if integer and not _is_int(value):
+        raise TypeError(f"{name} must be an int, an integer tensor or None, got {value!r}")
+    if not integer and not _is_real(value):
+        raise TypeError(f"{name} must be a float, a float tensor or None, got {value!r}")
+    if (value <= low if low_open else value < low) or value > high or value != value:
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+    return value
+
+
+def make_sampling(
+    top_k, top_p, min_p, *, n_tokens: int, device: torch.device, log_kept_mass: bool = False
+) -> Sampling | None:
+    """Check the truncation arguments (errors name the argument); None when nothing truncates."""
+    top_k = _check_param("top_k", top_k, n_tokens, device, integer=True, low=1, high=math.inf)
+    top_p = _check_param("top_p", top_p, n_tokens, device, integer=False, low=0.0, high=1.0, low_open=True)
+    min_p = _check_param("min_p", min_p, n_tokens, device, integer=False, low=0.0, high=1.0)
+    if not isinstance(log_kept_mass, bool):
+        raise TypeError(f"return_log_kept_mass must be a bool, got {log_kept_mass!r}")
+    if top_k is None and top_p is None and min_p is None:
+        if log_kept_mass:
+            raise ValueError("return_log_kept_mass=True needs top_k, top_p or min_p")
+        return None
+    if isinstance(top_k, torch.Tensor):
+        k_max = int(top_k.max()) if top_k.numel() else 1
+    else:
+        k_max = 0 if top_k is None else top_k
+    return Sampling(top_k=top_k, top_p=top_p, min_p=min_p, k_max=k_max, log_kept_mass=log_kept_mass)
+
+
+class KeptSetWarning(UserWarning):
+    """Labels outside the sampling kept set: the engine and the trainer disagree on the distribution."""
+
+
+def report_dropped(logprobs: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> int:
+    """Count the non-ignored labels whose log-prob is -inf (outside the kept set) and warn if any.
+
+    One host sync; skipped (returns 0) inside a compiled region.
+    """
+    if torch.compiler.is_compiling():
+        return 0
+    n = int((torch.isneginf(logprobs) & (labels != ignore_index)).sum())
+    if n:
+        warnings.warn(
+            f"{n} label(s) lie outside the sampling kept set (top_k / top_p / min_p / support): their log-prob "
+            "is -inf with zero gradient. The rollout engine sampled them, so the trainer's truncation "
+            "differs from the engine's (parameters, temperature, or logits)",
+            KeptSetWarning,
+            stacklevel=3,
+        )
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# thresholds of one chunk
+
+
+def _per_row(v, rows: int, device, dtype) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.to(dtype)
+    return torch.full((rows,), v, dtype=dtype, device=device)
+
+
+def _round_up_to(t64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest `dtype` value >= each float64 value (so ``y >= result`` iff ``y >= t64`` for `dtype` y)."""
+    t = t64.to(dtype)
+    return torch.where(t.double() < t64, torch.nextafter(t, torch.full_like(t, math.inf)), t)
+
+
+def keep_thresholds(
+    y: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch, want_full_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row ``keep_min [c]`` (y's dtype; -inf where nothing is cut) for the chunk's scaled logits.
+
+    y: ``[c, V_valid]`` this rank's valid columns of ``scale * softcap(x)`` (fp32 / fp64), exactly as the
+        kernels compute them; not modified.
+    params: `Sampling.rows` of the chunk. group: the TP group (thresholds are global).
+    scratch: a `ChunkScratch` with chunk-sized buffers. Returns also, with `want_full_lse`, the global
+    ``logsumexp(y)`` over the whole vocabulary (for the kept mass).
+    """
+    rows, dt, dev = y.shape[0], y.dtype, y.device
+    neg_inf = torch.full((rows,), -math.inf, dtype=dt, device=dev)
+    big_m = all_reduce_max_(y.amax(dim=1) if y.shape[1] else neg_inf.clone(), group)
+    keep = neg_inf.clone()
+    if params["min_p"] is not None:
+        min_p = _per_row(params["min_p"], rows, dev, torch.float64)
+        t = big_m.double() + torch.log(min_p)  # log(0) = -inf: nothing cut
+        keep = torch.maximum(keep, _round_up_to(t, dt))
+    if params["top_k"] is not None:
+        keep = torch.maximum(
+            keep, _kth_largest(y, _per_row(params["top_k"], rows, dev, torch.int64), k_max, group)
+        )
+    exps = None
+    full_lse = None
+    if want_full_lse or params["top_p"] is not None:
+        exps = torch.sub(y, big_m[:, None], out=scratch.get("samp_exps", rows, y.shape[1], dt)).exp_()
+        if want_full_lse:
+            full = all_reduce_sum_(_sum64(exps), group)
+            full_lse = (big_m.double() + full.log()).to(dt)
+    if params["top_p"] is not None:
+        top_p = _per_row(params["top_p"], rows, dev, torch.float64)
+        if bool((top_p < 1.0).any()):
+            t = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            keep = torch.maximum(keep, t)
+    return keep, full_lse
+
+
+def _kth_largest(y: torch.Tensor, k: torch.Tensor, k_max: int, group) -> torch.Tensor:
+    """The k-th largest value of each row over the global vocabulary (-inf where k >= its size)."""
+    rows, cols = y.shape
+    local_k = min(k_max, cols)
+    vals = torch.topk(y, local_k, dim=1).values if local_k > 0 else y.new_empty((rows, 0))
+    if world_size(group) > 1:  # every rank's candidates, padded to k_max (a shard may be smaller)
+        vals = torch.cat([vals, vals.new_full((rows, k_max - local_k), -math.inf)], dim=1)
+        parts = [torch.empty_like(vals) for _ in range(world_size(group))]
+        dist.all_gather(parts, vals.contiguous(), group=group)
+        vals = torch.topk(torch.cat(parts, dim=1), k_max, dim=1).values
+    k_total = vals.shape[1]
+    kth = (
+        vals.gather(1, (k.clamp(max=max(k_total, 1)) - 1).clamp(min=0)[:, None]).squeeze(1)
+        if k_total
+        else None
+    )
+    # k beyond the candidates (or an -inf padding value, a vocabulary smaller than k): nothing cut
+    cut = (k <= k_total) if kth is not None else torch.zeros_like(k, dtype=torch.bool)
+    if kth is None:
+        return torch.full((rows,), -math.inf, dtype=y.dtype, device=y.device)
+    return torch.where(cut, kth, -math.inf)
+
+
+def _sum64(t: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``[c, V]`` as float64: fp32 sums of 256-column blocks, then float64 across blocks (as
+    accurate as a float64 sum here, at the cost of an fp32 one)."""
+    rows, cols = t.shape
+    main = cols - cols % 256
+    total = (
+        t[:, :main].unflatten(1, (-1, 256)).sum(-1).double().sum(1) if main else t.new_zeros(rows).double()
+    )
+    return total + t[:, main:].double().sum(1) if main < cols else total
+
+
+def _histogram(index: torch.Tensor, values: torch.Tensor, rows: int, bins: int, group) -> torch.Tensor:
+    """Per-row sums of `values` by bin: `index` int32 ``[c, V]`` already offset by ``row * bins``."""
+    hist = torch.zeros(rows * bins, dtype=values.dtype, device=values.device)
+    hist.index_add_(0, index.reshape(-1), values.reshape(-1))
+    return all_reduce_sum_(hist.view(rows, bins), group)
+
+
+def _crossing(hist: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The largest bin whose mass at or above it (summed from the top bin down) reaches `target`."""
+    hist = hist.double()
+    at_or_above = hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
+    return ((at_or_above >= target[:, None]).sum(1) - 1).clamp(min=0)
+
+
+def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Tensor:
+    """The smallest kept value of top-p over ``{y >= keep}`` (-inf where top_p == 1).
+
+    One histogram of the kept mass over `TOP_P_BINS` value bins per row (summed over the group) locates
+    the crossing bin; the tokens of that bin and its `TOP_P_WINDOW` neighbours are the candidates, and
+    the exact crossing is found among them from the float64 mass strictly above them.
+    """
+    rows, cols = y.shape
+    dt, dev = y.dtype, y.device
+    nb, win = TOP_P_BINS, TOP_P_WINDOW
+    if bool(torch.isfinite(keep).any()):
+        exps.masked_fill_(y < keep[:, None], 0.0)  # the mass of the set kept so far
+    z = all_reduce_sum_(_sum64(exps), group)
+    target = top_p * z
+    # value range of the row's kept set: [lo, M]; the span is widened a little so that M falls inside
+    lo = torch.maximum(keep, y.amin(dim=1) if cols else big_m)
+    lo = -all_reduce_max_(-lo, group)
+    span = ((big_m - lo) * (1.0 + 2.0**-10)).clamp(min=torch.finfo(dt).tiny)
+    pos = torch.sub(y, lo[:, None], out=scratch.get("samp_pos", rows, cols, dt)).mul_((nb / span)[:, None])
+    index = scratch.get("samp_index", rows, cols, torch.int32)
+    offsets = torch.arange(rows, device=dev, dtype=torch.int32) * nb
+    index.copy_(pos.clamp_(0.0, nb - 1)).add_(offsets[:, None])  # truncation = floor for values >= 0
+    crossing = _crossing(_histogram(index, exps, rows, nb, group), target)
+    lo_bin = (offsets + (crossing - win).clamp(min=0).to(torch.int32))[:, None]
+    hi_bin = (offsets + (crossing + win).clamp(max=nb - 1).to(torch.int32))[:, None]
+    # the mass strictly above the candidates, exactly (float64 across blocks)
+    above_mask = torch.gt(index, hi_bin, out=scratch.get("samp_above", rows, cols, torch.bool))
+    above = all_reduce_sum_(_sum64(torch.mul(exps, above_mask, out=pos)), group)
+    in_window = torch.ge(index, lo_bin, out=scratch.get("samp_window", rows, cols, torch.bool))
+    in_window ^= above_mask
+    cand = _candidates(y, in_window, group)  # [c, C] descending, -inf padded
+    cand_mass = torch.where(cand >= keep[:, None], torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
+    # mass strictly above each candidate: the exclusive cumsum at the first of its run of equal values
+    excl = cand_mass.cumsum(1) - cand_mass
+    n_c = cand.shape[1]
+    idx = torch.arange(n_c, device=dev).expand(rows, n_c)
+    new_run = torch.ones_like(cand, dtype=torch.bool)
+    if n_c > 1:
+        new_run[:, 1:] = cand[:, 1:] != cand[:, :-1]
+    first = torch.where(new_run, idx, 0).cummax(1).values
+    mass_above = above[:, None] + excl.gather(1, first)
+    kept = (mass_above < target[:, None]) & (cand_mass > 0)
+    n_kept = kept.sum(1)
+    t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+    # the crossing must lie among the candidates: something kept, and not all while mass remains below
+    n_real = (cand_mass > 0).sum(1)
+    all_kept_short = (n_kept == n_real) & (above + cand_mass.sum(1) < target)
+    active = top_p < 1.0
+    miss = active & ((n_kept == 0) | all_kept_short)
+    if bool(miss.any()):
+        t = torch.where(miss, _dense_top_p(y, keep, big_m, top_p, miss, group), t)
+    return torch.where(active, t, -math.inf)
+
+
+def _candidates(y: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
+    """The values of `y` under `mask`, per row, gathered over `group`: ``[c, C]`` descending, -inf padded."""
+    rows = y.shape[0]
+    r, col = mask.nonzero(as_tuple=True)
+    counts = torch.bincount(r, minlength=rows)
+    width = int(counts.max()) if r.numel() else 0
+    if world_size(group) > 1:
+        width_t = torch.tensor([width], device=y.device)
+        width = int(all_reduce_max_(width_t, group))
+    starts = counts.cumsum(0) - counts
+    within = torch.arange(r.numel(), device=y.device) - starts[r]
+    dense = y.new_full((rows, max(width, 1)), -math.inf)
+    dense[r, within] = y[r, col]
+    if world_size(group) > 1:
+        parts = [torch.empty_like(dense) for _ in range(world_size(group))]
+        dist.all_gather(parts, dense, group=group)
+        dense = torch.cat(parts, dim=1)
+    return dense.sort(dim=1, descending=True).values
+
+
+def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> torch.Tensor:
+    """Exact top-p threshold of the rows in `rows_mask` by sorting them whole (the rare fallback)."""
+    idx = rows_mask.nonzero(as_tuple=True)[0]
+    FALLBACK_ROWS[0] += int(idx.numel())
+    sub = y[idx]
+    if world_size(group) > 1:
+        width = torch.tensor([sub.shape[1]], device=y.device)
+        width = int(all_reduce_max_(width, group))
+        sub = torch.cat([sub, sub.new_full((sub.shape[0], width - sub.shape[1]), -math.inf)], dim=1)
+        parts = [torch.empty_like(sub) for _ in range(world_size(group))]
+        dist.all_gather(parts, sub.contiguous(), group=group)
+        sub = torch.cat(parts, dim=1)
+    vals = sub.sort(dim=1, descending=True).values
+    mass = torch.exp(vals.double() - big_m[idx].double()[:, None])
+    mass = torch.where(vals >= keep[idx][:, None], mass, 0.0)
+    z = mass.sum(1)
+    excl = mass.cumsum(1) - mass
+    n = vals.shape[1]
+    pos = torch.arange(n, device=y.device).expand_as(vals)
+    new_run = torch.ones_like(vals, dtype=torch.bool)
+    if n > 1:
+        new_run[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    excl = excl.gather(1, torch.where(new_run, pos, 0).cummax(1).values)
+    kept = (excl < (top_p[idx] * z)[:, None]) & (mass > 0)
+    t_rows = vals.gather(1, (kept.sum(1) - 1).clamp(min=0)[:, None]).squeeze(1)
+    out = torch.full_like(big_m, -math.inf)
+    out[idx] = t_rows
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# replay: the kept set the engine returned
+
+
+def support_from_offsets(ids: torch.Tensor, offsets: torch.Tensor, *, pad: int = -1) -> torch.Tensor:
+    """vLLM-style flat kept ids + offsets -> ``[N, K]`` int64 padded with `pad` (-1).
+
+    ids: ``[T]`` integer, the kept ids of every token one after another. offsets: ``[N + 1]`` integer,
+    non-decreasing, token i's ids are ``ids[offsets[i]:offsets[i + 1]]`` (``offsets[0] == 0``,
+    ``offsets[-1] == T``). K is the largest count.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+        raise TypeError("ids must be a 1-D integer tensor")
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.is_floating_point():
+        raise TypeError("offsets must be a 1-D integer tensor")
+    offsets = offsets.long()
+    counts = offsets[1:] - offsets[:-1]
+    if (
+        offsets.numel() == 0
+        or int(offsets[0]) != 0
+        or int(offsets[-1]) != ids.numel()
+        or bool((counts < 0).any())
+    ):
+        raise ValueError(
+            f"offsets must be non-decreasing from 0 to len(ids)={ids.numel()}, got {offsets.tolist()[:8]}..."
+        )
+    n = counts.numel()
+    width = int(counts.max()) if n else 0
+    out = torch.full((n, max(width, 1)), pad, dtype=torch.int64, device=ids.device)
+    row = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)
+    within = torch.arange(ids.numel(), device=ids.device) - offsets[:-1][row]
+    out[row, within] = ids.long()
+    return out
+
+
+def check_support(
+    support: object, n_tokens: int, device: torch.device, vocab_size: int | None
+) -> torch.Tensor:
+    """``[..., K]`` integer ids (-1 padding) with ``N`` leading elements -> flat ``[N, K]`` int64."""
+    if not isinstance(support, torch.Tensor) or support.is_floating_point() or support.dtype == torch.bool:
+        raise TypeError(
+            f"support must be an integer tensor of kept ids [N, K] (-1 padded), got {support!r:.60}"
+        )
+    if (
+        support.dim() < 1
+        or support.numel() // max(support.shape[-1], 1) != n_tokens
+        or support.shape[-1] == 0
+    ):
+        raise ValueError(
+            f"support must be [N, K] with N = {n_tokens} tokens and K >= 1, got {tuple(support.shape)}"
+        )
+    if support.device != device:
+        raise ValueError(f"support is on {support.device} but the inputs are on {device}")
+    flat = support.reshape(n_tokens, support.shape[-1]).long()
+    high = math.inf if vocab_size is None else vocab_size
+    bad = (flat < -1) | (flat >= high)
+    if bool(bad.any()):
+        raise ValueError(f"support ids must be in [0, vocab) or -1 (padding), found {int(flat[bad][0])}")
+    srt = flat.sort(dim=1).values
+    if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
+        raise ValueError("support has an id twice in one row; each row must list distinct ids")
+    return flat
+
+
+@dataclasses.dataclass(frozen=True)
+class SupportSlots:
+    """Where this rank's columns sit in the ``[N, K]`` support slots.
+
+    local: ``[N, K]`` int64 local column of each slot's id (clamped; meaningless where not owned).
+    owned: ``[N, K]`` bool, the slot's id is a valid column of this rank's shard.
+    labels: ``[N]`` int64 labels for the op over the slots (global slot ``rank * K + q``), ignore_index
+        where the label was ignored or is outside the support (`dropped`).
+    dropped: ``[N]`` bool, a non-ignored label that is not in the support.
+    """
+
+    local: torch.Tensor
+    owned: torch.Tensor
+    labels: torch.Tensor | None
+    dropped: torch.Tensor | None
+
+
+def support_slots(
+    support: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    start: int,
+    valid: int,
+    local_vocab: int,
+    rank: int,
+    world: int,
+    ignore_index: int,
+) -> SupportSlots:
+    """Map global support ids and labels onto this rank's slots (see `SupportSlots`)."""
+    k = support.shape[1]
+    local = support - start
+    owned = (support >= 0) & (local >= 0) & (local < valid)
+    local = local.clamp(0, max(local_vocab - 1, 0))
+    if labels is None:
+        return SupportSlots(local, owned, None, None)
+    hit = support == labels[:, None]
+    in_support = hit.any(1)
+    valid_label = labels != ignore_index
+    pos = hit.to(torch.int8).argmax(1)
+    mine = (labels >= start) & (labels < start + valid)
+    # a slot outside this rank's range for labels another rank owns: the kernel reads the target only
+    # from the owner, every rank sees the same (non-ignored) label set
+    elsewhere = ((rank + 1) % world) * k
+    slot_labels = torch.where(mine, rank * k + pos, elsewhere)
+    dropped = valid_label & ~in_support
+    slot_labels = torch.where(valid_label & in_support, slot_labels, ignore_index)
+    return SupportSlots(local, owned, slot_labels, dropped)
