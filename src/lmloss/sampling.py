@@ -292,7 +292,7 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Te
     # value range of the row's kept set: [lo, M]; the span is widened a little so that M falls inside
     lo = torch.maximum(keep, y.amin(dim=1) if cols else big_m)
     lo = -all_reduce_max_(-lo, group)
-    span = ((big_m - lo) * (1.0 + 2.0**-10)).clamp(min=torch.finfo(dt).tiny)
+    span = ((big_m - lo) * (1.0 + 2.0**-10)).clamp(min=1e-30)  # one kept value: all in bin 0, no 0 * inf
     pos = torch.sub(y, lo[:, None], out=scratch.get("samp_pos", rows, cols, dt)).mul_((nb / span)[:, None])
     index = scratch.get("samp_index", rows, cols, torch.int32)
     offsets = torch.arange(rows, device=dev, dtype=torch.int32) * nb

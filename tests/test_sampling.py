@@ -1,0 +1,260 @@
+"""Log-probs under the rollout engine's truncation (top-k / top-p / min-p), one process.
+
+The reference is vLLM's sampler written out in float64 here: temperature, min-p on the probabilities,
+then ``apply_top_k_top_p`` over an ascending sort (top-k keeps values >= the k-th largest, top-p drops
+the prefix whose cumulative probability is <= 1 - p and always keeps the last). One documented
+difference: all tokens equal to the smallest top-p-kept value are kept (vLLM's choice among such ties
+follows its sort order); the reference applies the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import lmloss
+from lmloss import sampling
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+INF = math.inf
+
+
+def vllm_kept(y: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Kept mask ``[N, V]`` of float64 scaled logits `y`; parameters are ``[N]`` tensors or None."""
+    y = y.double()
+    n, v = y.shape
+    work = y.clone()
+    if min_p is not None:
+        probs = work.softmax(-1)
+        work = work.masked_fill(probs < min_p.double()[:, None] * probs.amax(-1, keepdim=True), -INF)
+    srt, idx = work.sort(-1)
+    if top_k is not None:
+        k = top_k.clamp(max=v)
+        kth = srt.gather(1, (v - k)[:, None])
+        srt = srt.masked_fill(srt < kth, -INF)
+    if top_p is not None:
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - top_p.double()[:, None]
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, -INF)
+    kept = torch.zeros_like(y, dtype=torch.bool).scatter(1, idx, srt > -INF)
+    smallest = torch.where(kept, y, INF).amin(-1, keepdim=True)
+    return kept | (y >= smallest)
+
+
+def per_row(v, n):
+    return None if v is None else (v if isinstance(v, torch.Tensor) else torch.full((n,), v))
+
+
+def kept_set_of(logits, temperature, **kw) -> torch.Tensor:
+    """The op's kept set, read off as the finite log-probs of every label of every row."""
+    n, v = logits.shape
+    rows = logits.repeat_interleave(v, dim=0)
+    labels = torch.arange(v).repeat(n)
+    expanded = {k: (t.repeat_interleave(v) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sampling.KeptSetWarning)
+        lp = lmloss.token_logprobs(rows, labels, temperature=temperature, chunk_size=1000, **expanded)
+    return torch.isfinite(lp).view(n, v)
+
+
+def make_logits(n, v, seed, dtype=torch.float32, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, v, generator=g) * spread).to(dtype)
+
+
+CASES = {
+    "top_k": dict(top_k=20),
+    "top_p": dict(top_p=0.9),
+    "min_p": dict(min_p=0.05),
+    "all_three": dict(top_k=60, top_p=0.8, min_p=0.01),
+    "per_token": dict(
+        top_k=torch.tensor([1, 5, 600, 40] * 2),
+        top_p=torch.tensor([0.5, 1.0, 0.95, 0.3] * 2),
+        min_p=torch.tensor([0.0, 0.1, 0.0, 0.02] * 2),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_set_equals_vllm_float64_reference(case, dtype):
+    kw = CASES[case]
+    logits = make_logits(8, 400, seed=1, dtype=dtype)
+    ref = vllm_kept(logits.double() / 0.5, **{k: per_row(v, 8) for k, v in kw.items()})
+    assert torch.equal(kept_set_of(logits, 0.5, **kw), ref)
+
+
+def test_top_p_kept_set_over_a_wide_vocabulary_matches_the_reference():
+    # thousands of columns per row: many tokens per histogram bin around the crossing
+    logits = make_logits(16, 5000, seed=2, spread=1.0)
+    top_p = torch.linspace(0.05, 0.99, 16)
+    y = logits.double() * 2.0  # temperature 0.5: exact in fp32
+    ref = vllm_kept(y, top_p=top_p)
+    lp = lmloss.token_logprobs(
+        logits, torch.full((16,), -100), temperature=0.5, top_p=top_p, return_log_kept_mass=True
+    )
+    # the kept mass pins the kept set down: log of the reference set's probability
+    expected = torch.logsumexp(y.masked_fill(~ref, -INF), -1) - torch.logsumexp(y, -1)
+    torch.testing.assert_close(lp[1].double(), expected, rtol=0, atol=1e-5)
+
+
+def reference_outputs(logits, labels, temperature, kept, ignore_index=-100):
+    """float64 log-probs and entropy of the renormalised kept set, and the logits' gradient of
+    ``sum(u * logprob) + sum(w * entropy)`` (dropped labels: no gradient)."""
+    x = logits.detach().double().requires_grad_()
+    logp = (x / temperature).masked_fill(~kept, -INF).log_softmax(-1)
+    valid = labels != ignore_index
+    lp = logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    lp = torch.where(valid, lp, 0.0)
+    p = logp.exp()
+    ent = -(p * logp.masked_fill(~kept, 0.0)).sum(-1)
+    return x, lp, ent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["top_k", "top_p", "all_three", "per_token"])
+def test_values_and_gradients_match_float64_masked_log_softmax(case, dtype):
+    kw = CASES[case]
+    n, v, temperature = 8, 400, 0.5
+    logits = make_logits(n, v, seed=3, dtype=dtype)
+    kept = vllm_kept(logits.double() / temperature, **{k: per_row(t, n) for k, t in kw.items()})
+    # labels sampled from the kept set (what an engine returns), one ignored, one outside the set
+    g = torch.Generator().manual_seed(4)
+    labels = torch.multinomial(kept.double(), 1, generator=g).squeeze(1)
+    labels[2] = -100
+    labels[5] = int((~kept[5]).nonzero()[0])
+    u = torch.randn(n, generator=g)
+    w = torch.randn(n, generator=g)
+
+    x = logits.clone().requires_grad_()
+    with pytest.warns(sampling.KeptSetWarning, match="1 label"):
+        lp, ent = lmloss.token_logprobs(
+            x, labels, temperature=temperature, return_entropy=True, chunk_size=5, **kw
+        )
+    (torch.where(torch.isinf(lp), 0.0, lp) * u + ent * w).sum().backward()
+
+    xr, lp_ref, ent_ref = reference_outputs(logits, labels, temperature, kept)
+    (torch.where(torch.isinf(lp_ref), 0.0, lp_ref) * u.double() + ent_ref * w.double()).sum().backward()
+    assert lp[5] == -INF and lp_ref[5] == -INF
+    assert lp[2] == 0.0
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.double(), lp_ref, **tol)
+    torch.testing.assert_close(ent.double(), ent_ref, **tol)
+    grad_tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else tol
+    torch.testing.assert_close(x.grad.double(), xr.grad.to(dtype).double(), **grad_tol)
+    assert torch.all(x.grad[~kept] == 0)
+
+
+def test_token_entropy_is_the_entropy_of_the_truncated_distribution():
+    logits = make_logits(10, 300, seed=5)
+    kept = vllm_kept(logits.double(), top_k=per_row(30, 10), top_p=per_row(0.7, 10))
+    logp = logits.double().masked_fill(~kept, -INF).log_softmax(-1)
+    expected = -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1)
+    torch.testing.assert_close(lmloss.token_entropy(logits, top_k=30, top_p=0.7).double(), expected)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=600), dict(top_k=10**9), dict(top_p=1.0), dict(min_p=0.0)])
+def test_parameters_that_cut_nothing_give_the_full_softmax(kw):
+    logits = make_logits(8, 600, seed=6)
+    labels = torch.randint(0, 600, (8,), generator=torch.Generator().manual_seed(0))
+    x = logits.clone().requires_grad_()
+    lp, mass = lmloss.token_logprobs(x, labels, temperature=2.0, return_log_kept_mass=True, **kw)
+    lp.sum().backward()
+    xr = logits.double().requires_grad_()
+    ref = (xr / 2.0).log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+    ref.sum().backward()
+    torch.testing.assert_close(lp.double(), ref)
+    torch.testing.assert_close(x.grad.double(), xr.grad)
+    assert torch.all(mass.abs() < 1e-6)
+
+
+def test_ties_at_the_top_k_boundary_are_all_kept():
+    # values 5, 4, 3, 3, 3, 2, ...: top_k=3 keeps the three tied 3s too (vLLM keeps values >= the k-th)
+    logits = torch.tensor([[5.0, 3.0, 4.0, 3.0, 2.0, 3.0, 1.0, 0.0]])
+    labels = torch.arange(8)[None].T
+    with pytest.warns(sampling.KeptSetWarning, match="3 label"):
+        lp = lmloss.token_logprobs(logits.expand(8, 8), labels.squeeze(1), top_k=3)
+    kept = torch.tensor([True, True, True, True, False, True, False, False])
+    assert torch.equal(torch.isfinite(lp), kept)
+    ref = logits[0].masked_fill(~kept, -INF).log_softmax(-1)
+    torch.testing.assert_close(lp[kept], ref[kept])
+
+
+def test_all_ignored_rows_give_zero_values_and_zero_gradient():
+    logits = make_logits(6, 200, seed=7).requires_grad_()
+    labels = torch.full((6,), -100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to report: ignored labels are not "outside the set"
+        lp = lmloss.token_logprobs(logits, labels, top_k=5, top_p=0.5)
+    lp.sum().backward()
+    assert torch.equal(lp, torch.zeros(6))
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_fused_path_matches_the_float64_reference():
+    n, h, v = 20, 16, 300
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.7
+    logits64 = hidden.double() @ weight.double().T
+    kept = vllm_kept(logits64 * 2.0, top_k=per_row(50, n), top_p=per_row(0.9, n), min_p=per_row(0.01, n))
+    labels = torch.multinomial(kept.double(), 1, generator=g).squeeze(1)
+    hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lmloss.linear_token_logprobs(
+        hh, ww, labels, temperature=0.5, top_k=50, top_p=0.9, min_p=0.01, return_entropy=True, chunk_size=7
+    )
+    (lp + 0.1 * ent).sum().backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logp = ((h64 @ w64.T) * 2.0).masked_fill(~kept, -INF).log_softmax(-1)
+    ent_ref = -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1)
+    lp_ref = logp.gather(1, labels[:, None]).squeeze(1)
+    (lp_ref + 0.1 * ent_ref).sum().backward()
+    torch.testing.assert_close(lp.double(), lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ww.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_the_dense_fallback_solves_rows_whose_histogram_crossing_was_misplaced(monkeypatch):
+    # a misplaced crossing (fp32 histogram rounding at a bin edge) is simulated by pointing at bin 0
+    monkeypatch.setattr(
+        sampling, "_crossing", lambda hist, target: torch.zeros(hist.shape[0], dtype=torch.long)
+    )
+    before = sampling.FALLBACK_ROWS[0]
+    logits = make_logits(6, 400, seed=9)
+    assert torch.equal(kept_set_of(logits, 1.0, top_p=0.8), vllm_kept(logits.double(), top_p=per_row(0.8, 6)))
+    assert sampling.FALLBACK_ROWS[0] > before
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-3), "top_k"),
+        (dict(top_k=torch.tensor([5, 0, 5, 5])), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=torch.tensor([0.5, 0.5, -0.1, 0.5])), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.01), "min_p"),
+        (dict(min_p=torch.tensor([0.1, 0.2])), "min_p"),
+        (dict(return_log_kept_mass=True), "return_log_kept_mass"),
+        (dict(top_k=5, impl="triton"), "impl"),
+        (dict(top_k=5, support=torch.zeros(4, 2, dtype=torch.long)), "support"),
+    ],
+)
+def test_bad_values_raise_naming_the_argument(kw, match):
+    logits = torch.randn(4, 10)
+    with pytest.raises((ValueError, TypeError), match=match):
+        lmloss.token_logprobs(logits, torch.zeros(4, dtype=torch.long), **kw)
+
+
+def test_cross_entropy_style_summed_loss_does_not_take_sampling_arguments():
+    with pytest.raises(TypeError):
+        lmloss.cross_entropy(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), top_k=2)
