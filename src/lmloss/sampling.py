@@ -215,7 +215,7 @@ def keep_thresholds(
     exps = None
     full_lse = None
     if want_full_lse or params["top_p"] is not None:
-        exps = torch.sub(y, big_m[:, None], out=scratch.get("samp_exps", rows, y.shape[1], dt)).exp_()
+        exps = torch.sub(y, big_m[:, None], out=scratch.get("exps", rows, y.shape[1], dt)).exp_()
         if want_full_lse:
             full = all_reduce_sum_(_sum64(exps), group)
             full_lse = (big_m.double() + full.log()).to(dt)
@@ -286,7 +286,8 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Te
     dt, dev = y.dtype, y.device
     nb, win = TOP_P_BINS, TOP_P_WINDOW
     if bool(torch.isfinite(keep).any()):
-        exps.masked_fill_(y < keep[:, None], 0.0)  # the mass of the set kept so far
+        # the mass of the set kept so far (a multiply: masked_fill is several times slower on CPU)
+        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
     z = all_reduce_sum_(_sum64(exps), group)
     target = top_p * z
     # value range of the row's kept set: [lo, M]; the span is widened a little so that M falls inside
@@ -298,13 +299,14 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Te
     offsets = torch.arange(rows, device=dev, dtype=torch.int32) * nb
     index.copy_(pos.clamp_(0.0, nb - 1)).add_(offsets[:, None])  # truncation = floor for values >= 0
     crossing = _crossing(_histogram(index, exps, rows, nb, group), target)
-    lo_bin = (offsets + (crossing - win).clamp(min=0).to(torch.int32))[:, None]
-    hi_bin = (offsets + (crossing + win).clamp(max=nb - 1).to(torch.int32))[:, None]
-    # the mass strictly above the candidates, exactly (float64 across blocks)
-    above_mask = torch.gt(index, hi_bin, out=scratch.get("samp_above", rows, cols, torch.bool))
-    above = all_reduce_sum_(_sum64(torch.mul(exps, above_mask, out=pos)), group)
-    in_window = torch.ge(index, lo_bin, out=scratch.get("samp_window", rows, cols, torch.bool))
-    in_window ^= above_mask
+    # bins compared on the (clamped) positions: bin(pos) > b  <=>  pos >= b + 1, exactly. The masks are
+    # 0 / 1 floats (a bool operand in a multiply costs a conversion pass on CPU), in free buffers: the
+    # kernels' kept mask (written again by the partials) and the exps (not needed after `above`)
+    lo_edge = (crossing - win).clamp(min=0).to(dt)[:, None]
+    hi_edge = (crossing + win + 1).clamp(max=nb).to(dt)[:, None]
+    above_mask = torch.ge(pos, hi_edge, out=scratch.get("kept", rows, cols, dt))
+    above = all_reduce_sum_(_sum64(exps.mul_(above_mask)), group)  # strictly above the candidates
+    in_window = torch.ge(pos, lo_edge, out=exps).sub_(above_mask)
     cand = _candidates(y, in_window, group)  # [c, C] descending, -inf padded
     cand_mass = torch.where(cand >= keep[:, None], torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
     # mass strictly above each candidate: the exclusive cumsum at the first of its run of equal values

@@ -108,15 +108,54 @@ class TorchKernels:
         """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place.
         `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None."""
         with serial_row_reductions(x.shape[0], x.device):
-            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite, keep_min=keep_min)
+            if keep_min is not None:
+                return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min)
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
-        and the gradient round it (the kept-set thresholds are found on these values)."""
+        and the gradient round it (the kept-set thresholds are found on these values). The next
+        `softmax_partials` of the same `x` with `keep_min` reuses them instead of recomputing."""
         acc = compute_dtype(x.dtype)
+        self._scaled_of = x
         return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
-    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps, keep_min=None):
+    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min):
+        """The partials over the kept columns ``y >= keep_min``. The exps are computed for every column
+        (an exp of -inf takes CPUs' slow path) and multiplied by the kept mask, a 0 / 1 float tensor (a
+        bool mask in a multiply, ``masked_fill`` or ``where`` costs several passes on CPU)."""
+        rows, n_valid = x.shape[0], math.valid
+        acc = compute_dtype(x.dtype)
+        out = torch.zeros((rows, 5), dtype=acc, device=x.device)
+        if n_valid == 0:
+            out[:, 0] = float("-inf")
+            return out
+        if getattr(self, "_scaled_of", None) is x:
+            y = self.scratch.get("y", rows, n_valid, acc)
+        else:
+            y = _transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
+        self._scaled_of = None
+        kept = torch.ge(y, keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
+        m_row = y.amax(dim=-1)
+        # the row's max is kept unless this shard keeps nothing (TP): then m = -inf and s = t = 0
+        out[:, 0] = torch.where(m_row >= keep_min, m_row, float("-inf"))
+        if target:
+            idx, owned = local_targets(labels, math)
+            y_label = y.gather(1, idx[:, None]).squeeze(1)
+            out[:, 3] = torch.where(owned, torch.where(y_label >= keep_min, y_label, float("-inf")), 0.0)
+        if sum_logits:
+            out[:, 4] = (y * kept).sum(dim=-1)
+        shifted = y.sub_(m_row[:, None])
+        if not entropy:
+            out[:, 1] = shifted.exp_().mul_(kept).sum(dim=-1)
+            return out
+        exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc)).mul_(kept)
+        out[:, 1] = exps.sum(dim=-1)
+        shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN
+        out[:, 2] = exps.mul_(shifted).sum(dim=-1)
+        return out
+
+    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps):
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         out = torch.zeros((rows, 5), dtype=acc, device=x.device)
@@ -126,12 +165,10 @@ class TorchKernels:
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
             y = _transform_into(xv, xv, math, aliased=True)
-        elif x.dtype == acc and math.scale == 1.0 and not math.softcap and keep_min is None:
+        elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
             y = xv  # read-only: shifted into scratch below in one pass
         else:
             y = _transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
-        if keep_min is not None:  # outside the kept set: -inf, like a sampler's mask (exp 0, no gradient)
-            y.masked_fill_(y < keep_min[:, None], float("-inf"))
         m = y.amax(dim=-1)
         out[:, 0] = m
         if target:
@@ -141,10 +178,8 @@ class TorchKernels:
             out[:, 4] = y.sum(dim=-1)
         if y is xv and not keep_exps:
             shifted = torch.sub(xv, m[:, None], out=self.scratch.get("y", rows, n_valid, acc))
-        elif keep_min is None:
+        else:
             shifted = y.sub_(m[:, None])
-        else:  # a row with no kept column on this shard (TP): shift by 0, so that its sums are 0, not NaN
-            shifted = y.sub_(torch.where(m == float("-inf"), 0.0, m)[:, None])
         if entropy:
             # logits of -inf (a sampler's mask) would make exp * shifted = 0 * -inf = NaN; a finite floor
             # gives the same exp (0) and a 0 contribution
@@ -171,14 +206,25 @@ class TorchKernels:
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         if keep_min is None:
             _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
-        else:  # compare y itself (rounded as in the partials) with the threshold, then shift
-            _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
-            work.masked_fill_(work < keep_min[:, None], float("-inf")).sub_(lse[:, None])
+        else:  # compare y itself (rounded as in the partials) with the threshold, then shift: every
+            # column's y - lse is <= 0 (lse is over kept columns, all above the dropped ones)
+            kept = self.scratch.get("kept", rows, n_valid, acc)
+            if x.dtype == acc and math.scale == 1.0 and not math.softcap and out is not x:
+                torch.ge(x[:, :n_valid], keep_min[:, None], out=kept)  # y is x itself: one pass fewer
+                torch.sub(x[:, :n_valid], lse[:, None], out=work)
+            else:
+                _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
+                torch.ge(work, keep_min[:, None], out=kept)
+                work.sub_(lse[:, None])
         a, d = coef[:, 0:1], coef[:, 3:4]
         if entropy is not None:
             p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
+            if keep_min is not None:
+                p.mul_(kept)
             work.clamp_(min=_FP32_MIN)  # -inf logits: p = 0, and 0 * (log p + H) must be 0
             work.add_(entropy[:, None]).mul_(p).mul_(d).addcmul_(p, a)
+        elif keep_min is not None:
+            work.exp_().mul_(kept).mul_(a)
         else:
             work.exp_().mul_(a)
         self._finish_grad_(work, slope, labels, coef, math, uniform_term)
@@ -199,7 +245,11 @@ class TorchKernels:
         """
         reuse = out is x and x.dtype == torch.float32 and not math.softcap and not flags.get("entropy")
         with serial_row_reductions(x.shape[0], x.device):
-            partials = self._partials(x, labels, math, keep_exps=reuse, keep_min=keep_min, **flags)
+            if keep_min is not None:
+                reuse = False
+                partials = self._partials_kept(x, labels, math, keep_min=keep_min, **flags)
+            else:
+                partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
         result, coef, lse = finish(partials)
         if not reuse:
             return result, self.softmax_grad_(
