@@ -268,45 +268,72 @@ def _histogram(index: torch.Tensor, values: torch.Tensor, rows: int, bins: int, 
     return all_reduce_sum_(hist.view(rows, bins), group)
 
 
-def _crossing(hist: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The largest bin whose mass at or above it (summed from the top bin down) reaches `target`."""
+def _at_or_above(hist: torch.Tensor) -> torch.Tensor:
+    """Float64 mass at or above each bin (summed from the top bin down), ``[c, bins]``."""
     hist = hist.double()
-    at_or_above = hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
+    return hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
+
+
+def _crossing(at_or_above: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The largest bin whose mass at or above it reaches `target` (0 if none)."""
     return ((at_or_above >= target[:, None]).sum(1) - 1).clamp(min=0)
 
 
 def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Tensor:
     """The smallest kept value of top-p over ``{y >= keep}`` (-inf where top_p == 1).
 
-    One histogram of the kept mass over `TOP_P_BINS` value bins per row (summed over the group) locates
-    the crossing bin; the tokens of that bin and its `TOP_P_WINDOW` neighbours are the candidates, and
-    the exact crossing is found among them from the float64 mass strictly above them.
+    One histogram of the kept mass over `TOP_P_BINS` value bins per row (summed over the group) gives the
+    kept mass ``Z`` and the crossing bin; the tokens of that bin and its `TOP_P_WINDOW` neighbours are
+    the candidates, and the exact crossing is found among them in float64. Each bin sums a few dozen
+    fp32 exps and the bins are summed in float64, so the masses are good to ~1e-8 relative.
     """
     rows, cols = y.shape
+    # row positions carry a row offset (r * bins) in fp32: blocks of rows keep them exact integers
+    step = max(1, 2**24 // TOP_P_BINS)
+    if rows > step:
+        parts = [
+            _top_p_threshold(
+                y[s : s + step],
+                exps[s : s + step],
+                big_m[s : s + step],
+                keep[s : s + step],
+                top_p[s : s + step],
+                group=group,
+                scratch=scratch,
+            )  # fmt: skip
+            for s in range(0, rows, step)
+        ]
+        return torch.cat(parts)
     dt, dev = y.dtype, y.device
     nb, win = TOP_P_BINS, TOP_P_WINDOW
+    kept_buf = scratch.get("kept", rows, cols, dt)
     if bool(torch.isfinite(keep).any()):
-        # the mass of the set kept so far (a multiply: masked_fill is several times slower on CPU)
-        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
-    z = all_reduce_sum_(_sum64(exps), group)
-    target = top_p * z
+        # the mass of the set kept so far (a multiply by a 0 / 1 float mask: a bool operand, masked_fill
+        # or where cost several passes on CPU)
+        exps.mul_(torch.ge(y, keep[:, None], out=kept_buf))
     # value range of the row's kept set: [lo, M]; the span is widened a little so that M falls inside
     lo = torch.maximum(keep, y.amin(dim=1) if cols else big_m)
     lo = -all_reduce_max_(-lo, group)
     span = ((big_m - lo) * (1.0 + 2.0**-10)).clamp(min=1e-30)  # one kept value: all in bin 0, no 0 * inf
-    pos = torch.sub(y, lo[:, None], out=scratch.get("samp_pos", rows, cols, dt)).mul_((nb / span)[:, None])
-    index = scratch.get("samp_index", rows, cols, torch.int32)
-    offsets = torch.arange(rows, device=dev, dtype=torch.int32) * nb
-    index.copy_(pos.clamp_(0.0, nb - 1)).add_(offsets[:, None])  # truncation = floor for values >= 0
-    crossing = _crossing(_histogram(index, exps, rows, nb, group), target)
-    # bins compared on the (clamped) positions: bin(pos) > b  <=>  pos >= b + 1, exactly. The masks are
-    # 0 / 1 floats (a bool operand in a multiply costs a conversion pass on CPU), in free buffers: the
-    # kernels' kept mask (written again by the partials) and the exps (not needed after `above`)
-    lo_edge = (crossing - win).clamp(min=0).to(dt)[:, None]
-    hi_edge = (crossing + win + 1).clamp(max=nb).to(dt)[:, None]
-    above_mask = torch.ge(pos, hi_edge, out=scratch.get("kept", rows, cols, dt))
-    above = all_reduce_sum_(_sum64(exps.mul_(above_mask)), group)  # strictly above the candidates
-    in_window = torch.ge(pos, lo_edge, out=exps).sub_(above_mask)
+    per_value = nb / span
+    base = torch.arange(rows, device=dev, dtype=dt) * nb  # row r's bins are [r * nb, (r + 1) * nb)
+    # position of each value: (y - lo) * nb / span + r * nb in one pass, monotone in y; every mask below
+    # and the histogram's index derive from these same numbers, so they agree on each token's bin
+    pos = scratch.get("samp_pos", rows, cols, dt)
+    torch.addcmul((base - lo * per_value)[:, None], y, per_value[:, None], out=pos)
+    pos.clamp_(min=base[:, None], max=(base + (nb - 1))[:, None])
+    index = scratch.get("samp_index", rows, cols, torch.int32).copy_(pos)  # truncation = floor (>= 0)
+    at_or_above = _at_or_above(_histogram(index, exps, rows, nb, group))
+    target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
+    crossing = _crossing(at_or_above, target)
+    above_bin = (crossing + win + 1).clamp(max=nb)  # the first bin above the candidates (nb: none)
+    padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+    above = padded.gather(1, above_bin[:, None]).squeeze(1)  # the mass strictly above the candidates
+    # candidates: bin(pos) in [crossing - win, crossing + win], compared on the positions as floats
+    # (bin >= b  <=>  pos >= r * nb + b, exactly); 0 / 1 float masks in free buffers
+    lo_edge = (base + (crossing - win).clamp(min=0).to(dt))[:, None]
+    hi_edge = (base + above_bin.to(dt))[:, None]
+    in_window = torch.ge(pos, lo_edge, out=kept_buf).sub_(torch.ge(pos, hi_edge, out=exps))
     cand = _candidates(y, in_window, group)  # [c, C] descending, -inf padded
     cand_mass = torch.where(cand >= keep[:, None], torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
     # mass strictly above each candidate: the exclusive cumsum at the first of its run of equal values

@@ -118,6 +118,8 @@ class TorchKernels:
         `softmax_partials` of the same `x` with `keep_min` reuses them instead of recomputing."""
         acc = compute_dtype(x.dtype)
         self._scaled_of = x
+        if x.dtype == acc and math.scale == 1.0 and not math.softcap:
+            return x[:, : math.valid]  # y is x itself (read-only): no copy
         return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
     def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min):
@@ -130,8 +132,11 @@ class TorchKernels:
         if n_valid == 0:
             out[:, 0] = float("-inf")
             return out
-        if getattr(self, "_scaled_of", None) is x:
-            y = self.scratch.get("y", rows, n_valid, acc)
+        identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
+        if identity:
+            y = x[:, :n_valid]  # read-only: shifted into scratch below
+        elif getattr(self, "_scaled_of", None) is x:
+            y = self.scratch.get("y", rows, n_valid, acc)  # `scaled` left them there
         else:
             y = _transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
         self._scaled_of = None
@@ -145,7 +150,10 @@ class TorchKernels:
             out[:, 3] = torch.where(owned, torch.where(y_label >= keep_min, y_label, float("-inf")), 0.0)
         if sum_logits:
             out[:, 4] = (y * kept).sum(dim=-1)
-        shifted = y.sub_(m_row[:, None])
+        if identity:
+            shifted = torch.sub(y, m_row[:, None], out=self.scratch.get("y", rows, n_valid, acc))
+        else:
+            shifted = y.sub_(m_row[:, None])
         if not entropy:
             out[:, 1] = shifted.exp_().mul_(kept).sum(dim=-1)
             return out
