@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -533,9 +535,94 @@ def ce_weight_grad_float64(
     return (probs.T @ h64) / n
 
 
+# ------------------------------------------------------------- logits workload: the rollout engine's truncation
+
+#: The sampling rows' settings: vLLM's top-k and top-p, and the replayed kept set's width.
+SAMPLING_TOP_K, SAMPLING_TOP_P, REPLAY_K = 50, 0.9, 512
+#: id(logits) -> (a weak reference to them, labels every truncation keeps (each row's argmax), the top
+#: REPLAY_K ids [T, K]); tensors compare elementwise, so they are not dictionary keys themselves.
+_SAMPLED: dict[int, tuple] = {}
+
+
+def _sampled(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = _SAMPLED.get(id(logits))
+    if entry is None or entry[0]() is not logits:
+        with torch.no_grad():
+            top = logits.topk(REPLAY_K, dim=1).indices
+        _SAMPLED.clear()  # one case at a time: keep no earlier case's tensors alive
+        entry = _SAMPLED[id(logits)] = (weakref.ref(logits), top[:, 0].contiguous(), top)
+    return entry[1], entry[2]
+
+
+def _sampled_inputs(x: Inputs) -> Inputs:
+    """The case's logits with labels a sampler could have drawn under any truncation (each row's argmax:
+    random labels would mostly fall outside a top-50 set, -inf), and the replayed set beside them. Made
+    once per case, outside the timed region."""
+    x = x.reuse()
+    return Inputs(labels=_sampled(x.logits)[0], logits=x.logits)
+
+
+def _naive_truncated(top_k: int | None, top_p: float | None) -> Step:
+    """vLLM's PyTorch sampler path written plainly: sort, mask, scatter back, full log-softmax."""
+
+    def step(x: Inputs) -> torch.Tensor:
+        logits = x.logits.float()
+        srt, idx = logits.sort(dim=-1)
+        mask = torch.zeros_like(srt, dtype=torch.bool)
+        if top_k is not None:
+            mask |= srt < srt[:, -top_k : -top_k + 1]
+        if top_p is not None:
+            cum = srt.masked_fill(mask, -math.inf).softmax(-1).cumsum(-1)
+            mask |= cum <= 1 - top_p
+            mask[:, -1] = False
+        keep = torch.empty_like(mask).scatter_(1, idx, ~mask)
+        loss = F.log_softmax(logits.masked_fill(~keep, -math.inf), dim=-1).gather(1, x.labels[:, None]).sum()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _naive_replay(x: Inputs) -> torch.Tensor:
+    support = _sampled(x.logits)[1]
+    keep = torch.zeros(x.logits.shape, dtype=torch.bool, device=x.logits.device).scatter_(1, support, True)
+    logp = F.log_softmax(x.logits.float().masked_fill(~keep, -math.inf), dim=-1)
+    loss = logp.gather(1, x.labels[:, None]).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _sampled_logits(**truncation) -> Callable:
+    def make(chunk: int | None, kernel: dict) -> Step:
+        def step(x: Inputs) -> torch.Tensor:
+            kw = dict(truncation)
+            if kw.pop("replay", False):
+                kw["support"] = _sampled(x.logits)[1]
+            loss = lmloss.token_logprobs(x.logits, x.labels, chunk_size=chunk, **kw, **kernel).sum()
+            loss.backward()
+            return loss.detach()
+
+        return step
+
+    return make
+
+
+SAMPLING_ROWS = {
+    # name: (objective, naive row's step or None for lmloss's row, lmloss step maker)
+    "naive-topk": (f"top-k={SAMPLING_TOP_K}", _naive_truncated(SAMPLING_TOP_K, None), None),
+    "topk": (f"top-k={SAMPLING_TOP_K}", None, _sampled_logits(top_k=SAMPLING_TOP_K)),
+    "naive-topp": (f"top-p={SAMPLING_TOP_P}", _naive_truncated(None, SAMPLING_TOP_P), None),
+    "topp": (f"top-p={SAMPLING_TOP_P}", None, _sampled_logits(top_p=SAMPLING_TOP_P)),
+    "naive-replay": (f"replay K={REPLAY_K}", _naive_replay, None),
+    "replay": (f"replay K={REPLAY_K}", None, _sampled_logits(replay=True)),
+}
+
+
 # -------------------------------------------------------------------------------------------- the registry
 
-LOGITS_IMPLS = ("naive", "chunked", "inplace", "naive-entropy", "entropy", "compile", "liger", "megatron")
+LOGITS_IMPLS = (
+    "naive", "chunked", "inplace", "naive-entropy", "entropy", "compile", "liger", "megatron", *SAMPLING_ROWS,
+)  # fmt: skip
 FUSED_IMPLS = (
     "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "compile", "torch-fused", "cce", "liger",
     "matmul-floor",
@@ -603,6 +690,16 @@ def build_impls(
                 step, reason = _megatron_step(device)
                 # fp32 logits are shifted in place by Megatron's forward (its .float() is then a no-op)
                 out.append(Impl("megatron", "-", step, reason, mutates_inputs=True, traffic=3))
+            elif name in SAMPLING_ROWS:
+                objective, naive_step, make = SAMPLING_ROWS[name]
+                if make is None:
+                    out.append(Impl(name, "-", naive_step, is_reference=True, objective=objective, traffic=3,
+                                    prepare=_sampled_inputs))  # fmt: skip
+                elif "torch" in kernels:  # the kept-set threshold is in the PyTorch kernels only
+                    for c in chunks:
+                        if c != "auto":
+                            out.append(Impl(name, chunk_label(c), make(c, {"impl": "torch"}), kernel="torch",
+                                            objective=objective, traffic=3, prepare=_sampled_inputs))  # fmt: skip
         else:
             if name == "naive":
                 out.append(Impl("naive", "-", _naive_fused, is_reference=True, objective="ce"))
