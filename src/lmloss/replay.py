@@ -25,9 +25,12 @@ ABSENT = -1e30
 
 def _slots(support, labels, *, local_vocab, vocab_size, vocab_start, tp_group, ignore_index) -> SupportSlots:
     n = labels.numel()
-    sup = check_support(support, n, labels.device, vocab_size)
     rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
     world = world_size(tp_group)
+    if world == 1:  # one process holds the whole vocabulary: ids and labels must lie in it
+        vocab_size = local_vocab if vocab_size is None else vocab_size
+        _validate.check_label_range(labels.reshape(-1), vocab_size, ignore_index)
+    sup = check_support(support, n, labels.device, vocab_size)
     start = rank * local_vocab if vocab_start is None else vocab_start
     valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
     return support_slots(
