@@ -501,15 +501,17 @@ def test_summed_loss_upstream_gradient_scales_the_forward_computed_gradients():
     _assert_grads((h, w, b), (h64, w64, b64), what="scaled")
 
 
-def test_summed_loss_second_backward_through_the_same_graph_raises_clearly():
-    """The summed path hands out its forward-computed gradients once; a silent zero would be worse."""
+def test_summed_loss_second_backward_through_the_same_graph_gives_the_same_gradients_again():
+    """The summed path hands out its forward-computed gradients on the first backward; a second one
+    (retain_graph=True, as gradcheck makes) recomputes them: the same values, bit for bit."""
     case = Case("retain", bias=True)
     hidden, weight, bias, labels, _, _ = _problem(case, seed=13)
     h, w, b = _leaves(hidden, weight, bias)
-    loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, reduction="sum")
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="reduction='none'"):
-        loss.backward()
+    loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, reduction="mean")
+    first = torch.autograd.grad(loss * 2.0, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss * 2.0, (h, w, b))
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("op", ["logprobs_entropy", "ce_none", "ce_mean", "ce_sum"])
@@ -677,7 +679,13 @@ def test_float64_fused_ops_are_computed_in_float64_and_pass_gradcheck():
     assert torch.autograd.gradcheck(
         lambda a, b: lmloss.linear_cross_entropy(a, b, labels, reduction="none", **kw), (h, w)
     )
-    # the summed path computes its gradients in the forward (once): compare with float64 autograd instead
+    for reduction in ("sum", "mean"):  # gradients made in the forward; a second backward recomputes them
+        assert torch.autograd.gradcheck(
+            lambda a, b, r=reduction: lmloss.linear_cross_entropy(
+                a, b, labels, reduction=r, z_loss=0.01, **kw
+            ),
+            (h, w),
+        )
     loss = lmloss.linear_cross_entropy(h, w, labels, label_smoothing=0.1, **kw)
     assert loss.dtype == torch.float64
     (got_h, got_w, got_b) = torch.autograd.grad(loss, (h, w, bias))

@@ -577,9 +577,9 @@ def test_float64_logits_are_computed_in_float64_and_pass_gradcheck():
         lambda a: lmloss.token_logprobs(a, labels, return_entropy=True, **kw), (x,)
     )
     assert torch.autograd.gradcheck(lambda a: lmloss.token_entropy(a, **kw), (x,))
-    for reduction in ("none", "mean"):
+    for reduction in ("none", "sum", "mean"):
         assert torch.autograd.gradcheck(
-            lambda a, r=reduction: lmloss.cross_entropy(a, labels, reduction=r, **kw), (x,)
+            lambda a, r=reduction: lmloss.cross_entropy(a, labels, reduction=r, z_loss=0.01, **kw), (x,)
         )
     logp, ent = lmloss.token_logprobs(x, labels, return_entropy=True, **kw)
     ce = lmloss.cross_entropy(x, labels, label_smoothing=0.1, **kw)

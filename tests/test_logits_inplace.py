@@ -1,5 +1,5 @@
 """``cross_entropy(..., inplace_backward=True)``: the gradient is computed in the forward and written over
-the logits (declared to autograd with ``ctx.mark_dirty``).
+the logits (declared to autograd: ``ctx.mark_dirty``, or for a view a bump of its version counter).
 
 The logits come from an op (``h @ W.T``, as an LM head's output would), so the gradient continues to the
 leaves h and W; every comparison is against the same call with ``inplace_backward=False`` (whose own
@@ -147,6 +147,60 @@ def test_misuse_raises_a_clear_value_error():
     with pytest.raises(ValueError, match="view"):
         lmloss.cross_entropy(transposed, labels, inplace_backward=True)
     assert h.grad is None and w.grad is None
+
+
+#: name -> (leading shape of h, how the loss call takes the lm_head output z, how it takes the labels)
+VIEW_FORMS = {
+    "view_flat": ((3, 4), lambda z: z.view(-1, z.shape[-1]), lambda y: y.view(-1)),
+    "flatten_0_1": ((3, 4), lambda z: z.flatten(0, 1), lambda y: y.flatten(0, 1)),
+    "rows_but_last": ((12,), lambda z: z[:-1], lambda y: y[1:]),  # the causal shift of one sequence
+    "one_sequence_shifted": (
+        (1, 12),
+        lambda z: z[:, :-1].reshape(-1, z.shape[-1]),
+        lambda y: y[:, 1:].reshape(-1),
+    ),
+    "vocab_columns_slice": ((12,), lambda z: z[:, :36], lambda y: y.clamp(max=35)),  # padded head columns
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("form", list(VIEW_FORMS))
+def test_inplace_on_a_view_of_the_lm_head_output_equals_out_of_place(form, impl):
+    """``cross_entropy(lm_head(h).view(-1, V), y, inplace_backward=True)`` and other views of a non-leaf:
+    the loss and the gradients of h and W equal the out-of-place call on the same view."""
+    lead, take, take_labels = VIEW_FORMS[form]
+    h, w, labels = _leaves(torch.float32, lead=lead)
+    h2, w2 = _clones(h, w)
+    logits = take(h @ w.T)
+    assert logits._is_view()
+    inplace = lmloss.cross_entropy(
+        logits, take_labels(labels), inplace_backward=True, chunk_size=5, impl=impl
+    )
+    (inplace * 1.5).backward()
+    reference = lmloss.cross_entropy(take(h2 @ w2.T), take_labels(labels), chunk_size=5, impl=impl)
+    (reference * 1.5).backward()
+    torch.testing.assert_close(inplace, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_inplace_on_a_view_still_stops_an_op_that_saved_the_logits():
+    h, w, labels = _leaves(torch.float32, lead=(3, 4))
+    logits = h @ w.T
+    other = (logits**2).sum()
+    loss = lmloss.cross_entropy(logits.view(-1, 40), labels.view(-1), inplace_backward=True, impl="torch")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
+@pytest.mark.parametrize("which", ["logits", "view_base"])
+def test_retain_grad_on_the_logits_is_refused_with_a_clear_value_error(which):
+    h, w, labels = _leaves(torch.float32, lead=(3, 4))
+    z = h @ w.T
+    logits = z if which == "logits" else z.view(-1, 40)
+    z.retain_grad()
+    with pytest.raises(ValueError, match=r"retain_grad\(\)"):
+        lmloss.cross_entropy(logits, labels.view(logits.shape[:-1]), inplace_backward=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
