@@ -281,8 +281,12 @@ def _raise_rank_errors(group, ranks: list[dict], mine: BaseException | None, dev
     dist.all_gather(everyone, buf, group=group)
     messages = [bytes(everyone[i].cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for i in failed]
     if len(set(messages)) == 1:
-        who = f"TP rank {failed[0]}" if len(failed) == 1 else f"TP ranks {failed}"
-        detail = f"{who} of {len(ranks)} rejected its arguments: {messages[0]}"
+        who = (
+            f"TP rank {failed[0]} of {len(ranks)} rejected its"
+            if len(failed) == 1
+            else f"TP ranks {failed} rejected their"
+        )
+        detail = f"{who} arguments: {messages[0]}"
     else:
         detail = "TP ranks rejected their arguments: " + "; ".join(
             f"rank {i}: {m}" for i, m in zip(failed, messages)
