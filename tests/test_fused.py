@@ -760,6 +760,13 @@ FUSED_ODD_OPTIONS = [
     # (id, kwargs, exception, the argument the message must name); each for both fused ops
     ("ignore_index_none", dict(ignore_index=None), TypeError, "ignore_index"),
     ("ignore_index_float", dict(ignore_index=2.5), TypeError, "ignore_index"),
+    ("ignore_index_past_int64", dict(ignore_index=2**64), ValueError, "ignore_index must fit in int64"),
+    (
+        "tp_group_a_string",
+        dict(tp_group="tp"),
+        TypeError,
+        "tp_group must be a torch.distributed.ProcessGroup",
+    ),
     ("vocab_size_float", dict(vocab_size=10.0), TypeError, "vocab_size"),
     ("vocab_size_bool", dict(vocab_size=True), TypeError, "vocab_size"),
     ("temperature_overflows", dict(temperature=1e-40), ValueError, "temperature"),
@@ -781,6 +788,16 @@ def test_fused_odd_option_values_raise_naming_the_option(fn, case, kw, exc, word
     hidden, weight, labels = _odd_base()
     with pytest.raises(exc, match=word):
         getattr(lmloss, fn)(hidden, weight, labels, **kw)
+
+
+def test_fused_mean_group_a_string_and_a_bad_chunk_budget_raise_naming_them(monkeypatch):
+    hidden, weight, labels = _odd_base()
+    with pytest.raises(TypeError, match="mean_group must be a"):
+        lmloss.linear_cross_entropy(hidden, weight, labels, mean_group="dp")
+    monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "-3")
+    for fn in FUSED_OPS:
+        with pytest.raises(ValueError, match="LMLOSS_CHUNK_BUDGET_MIB must be a positive number"):
+            getattr(lmloss, fn)(hidden, weight, labels, chunk_size="auto")
 
 
 def test_fused_label_smoothing_bool_raises_naming_it():
