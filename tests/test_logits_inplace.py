@@ -234,20 +234,23 @@ PER_TOKEN_SLACK = 64  # bytes per token: lse, per-token losses, masks, coefficie
         (torch.float32, dict(softcap=5.0, label_smoothing=0.1, z_loss=0.01, temperature=0.8), 1),
         (torch.bfloat16, dict(), 1),
         (torch.bfloat16, dict(softcap=5.0, label_smoothing=0.1), 2),  # the softcap slope beside the work
+        (torch.float32, dict(view=True), 1),  # lm_head(h).view(-1, V): the gradient goes back without a copy
     ],
-    ids=["fp32", "fp32_all_options", "bf16", "bf16_softcap"],
+    ids=["fp32", "fp32_all_options", "bf16", "bf16_softcap", "fp32_view"],
 )
 def test_inplace_peak_is_one_chunk_where_out_of_place_holds_a_gradient_buffer(dtype, options, fp32_chunks):
     """Forward + backward of the loss, the logits made before the measured block: in place, the peak above
     them is the fp32 chunk work (``fp32_chunks * C * V * 4``), per-token vectors and the small gradients of
     h and W; out of place it is at least a whole ``[N, V]`` gradient buffer more."""
+    options = dict(options)
+    view = options.pop("view", False)
     h, w, labels = _leaves(dtype, lead=(N,), hidden=H, vocab=V)
     matmul_grads = 2 * (N + V) * H * h.element_size()  # h.grad and W.grad, with room for a temporary
     bound = fp32_chunks * C * V * 4 + PER_TOKEN_SLACK * N + matmul_grads
     peaks = {}
     for inplace in (True, False):
         h_, w_ = _clones(h, w)
-        logits = h_ @ w_.T
+        logits = (h_ @ w_.T).view(-1, V) if view else h_ @ w_.T
         with peak_memory() as mem:
             loss = lmloss.cross_entropy(
                 logits,

@@ -217,7 +217,8 @@ def token_logprobs(
         vocab_size: the true global vocabulary; columns at global index ``>= vocab_size`` are padding
             and take no part in the softmax. Default: all columns over all ranks.
         tp_group: process group the vocabulary is sharded over; None for one process. Each call makes one
-            small all-gather over it to check that the ranks agree (see README, "Parallelism").
+            small all-gather over it to check that the ranks agree; an argument that fails a check on
+            one rank raises the same `RankAgreementError` on every rank (see README, "Parallelism").
         vocab_start: global id of this rank's first column; default ``rank * V_local`` (even shards). Pass it
             on every TP rank (uneven shards) or on none.
         return_entropy: also return the entropy of the tempered softmax over the whole vocabulary,
@@ -304,7 +305,8 @@ def cross_entropy(
             `logits` holds the gradient, not the logits: turn it on only when nothing else reads the
             logits after this call. Another op that saved them for its backward raises PyTorch's
             "modified by an inplace operation" error instead of computing with the gradient. The
-            logits must come from an op (an ``lm_head``), not be a leaf that requires grad, and their
+            logits must come from an op (an ``lm_head``; a view of its output such as ``.view(-1, V)``
+            or ``[:-1]`` works too), not be a leaf that requires grad nor have ``retain_grad()``, and their
             leading dims must flatten as a view. Without gradients it changes nothing; inside
             ``torch.compile`` the op runs out of place (same values and gradients).
         Other arguments as in `token_logprobs`.
