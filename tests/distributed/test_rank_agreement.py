@@ -4,15 +4,22 @@ ONE spawned run of 2 gloo ranks hosts every case (a process-group start costs se
 deadline and the process group a short collective timeout, so a regression that makes the ranks hang
 fails this test within seconds instead of blocking for gloo's default 30 minutes.
 
-disagree  - per op (token_logprobs, cross_entropy, linear_cross_entropy, and the fused / logits op that
-            each case applies to) and per case: the ranks call with different token counts, chunk sizes,
-            uneven shards without vocab_start, vocab_start on one rank only, vocab_size, a 0-column shard,
-            a label out of range on one rank, temperature, ... Every rank catches the exception and returns
-            its type and message; afterwards a plain all_gather must still pair up (ranks in step).
+disagree  - per op (token_logprobs, token_entropy, cross_entropy and the fused ops, as each case applies)
+            and per case: the ranks call with different token counts, chunk sizes, uneven shards without
+            vocab_start, vocab_size, temperature, dtypes, ops, reductions, mean_group, gradients needed
+            (requires_grad / no_grad), LMLOSS_CHECK_RANKS or LMLOSS_CHUNK_BUDGET_MIB on one rank, different
+            labels or ignore masks, ...; or one rank's argument fails a local check (a negative temperature,
+            a labels shape, float labels, a reduction typo, a non-group mean_group, ignore_index past int64,
+            not a tensor, in place on a leaf). Every rank catches the exception and returns it; all must be
+            the same ValueError naming the argument (and the rank), and afterwards a plain all_gather must
+            still pair up (ranks in step).
 uneven    - shards of 20 and 12 columns with vocab_start and chunk_size="auto" (a chunk budget small
             enough that each rank's own shard would give a different chunk): fused and logits ops.
 triton    - impl="triton" (the Triton interpreter, TRITON_INTERPRET=1) at TP=2, even and uneven shards,
             with softcap, temperature and vocab_size padding: values and gradients.
+checks_off - LMLOSS_CHECK_RANKS=0 on both ranks: right values without the gather, the label-range check
+            still raising on each rank, uneven shards raising where the width shows them (the other rank
+            times out on a group with a 2 s timeout).
 The references are float64 plain PyTorch over the unsharded tensors, computed in the test process.
 """
 
@@ -533,13 +540,15 @@ def _positive(rank: int, group) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # LMLOSS_CHECK_RANKS=0 on every rank: what is still checked without a collective
 
-UNCHECKED_TIMEOUT = datetime.timedelta(seconds=3)  # the one case below that must wait for it
+UNCHECKED_TIMEOUT = datetime.timedelta(seconds=2)  # the one case below that must wait for it
 
 
 def _checks_off(rank: int) -> dict:
-    """On a group of its own (the last case leaves it broken), with LMLOSS_CHECK_RANKS=0 on both ranks."""
+    """With LMLOSS_CHECK_RANKS=0 on both ranks, on groups of their own: the state is per group, and the
+    last case leaves its group broken (that one has a short timeout, so the waiting rank gives up soon)."""
     os.environ["LMLOSS_CHECK_RANKS"] = "0"
-    group = dist.new_group(list(range(WORLD)), timeout=UNCHECKED_TIMEOUT)
+    group = dist.new_group(list(range(WORLD)), timeout=COLLECTIVE_TIMEOUT)
+    short = dist.new_group(list(range(WORLD)), timeout=UNCHECKED_TIMEOUT)
     g = _global(200)
     s, e = _shard_span(rank, (16, 16))
     logits, labels = g["logits"][:, s:e], g["labels"]
@@ -553,9 +562,10 @@ def _checks_off(rank: int) -> dict:
     out["range_in_step"] = _in_step(rank, 5000)
     # uneven shards without vocab_start: only the rank whose width cannot cover vocab_size can tell; the
     # other enters the first collective and waits for the group's timeout
+    lmloss.token_logprobs(logits, labels, tp_group=short)  # right after the barrier above: agrees to stop
     s, e = _shard_span(rank, SPLIT)
     out["uneven"] = _error_of(
-        lambda: lmloss.token_logprobs(g["logits"][:, s:e], labels, tp_group=group, vocab_size=V)
+        lambda: lmloss.token_logprobs(g["logits"][:, s:e], labels, tp_group=short, vocab_size=V)
     )
     out["uneven_in_step"] = _in_step(rank, 5001)
     del os.environ["LMLOSS_CHECK_RANKS"]
