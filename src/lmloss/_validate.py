@@ -1,7 +1,9 @@
 """Argument checks shared by every op: one place for each error message.
 
-Every check here is local (no collective): they all run before the plan's one rank-agreement gather,
-so a bad argument raises on the rank that has it before any rank enters a collective.
+Every check here is local (no collective): they all run before the plan's one rank-agreement gather.
+Under a TP group a failure there is not raised at once: it travels in that gather as an error code and
+every rank raises it (`lmloss.vocab_parallel.errors_raised_on_every_rank`), so no rank waits in a
+collective that another one skipped.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Each TP rank holds columns ``[start, start + size)`` of the global vocabulary; c
 ``>= vocab_size`` are embedding padding and take no part in the softmax. Per chunk of tokens the forward
 needs exactly two collectives over the TP group: a MAX of the row maxima and one SUM of a packed
 ``[tokens, k]`` block of partial sums.
+
+Before those, each call makes one rank-agreement all-gather of a fixed-size int64 vector (`resolve_shard`):
+check locally, agree globally, then raise. An argument check that fails on one rank travels in it as an
+error code (`errors_raised_on_every_rank`) and every rank raises the same `RankAgreementError`.
 """
 
 from __future__ import annotations
