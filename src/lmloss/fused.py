@@ -299,8 +299,8 @@ class _GatherRows(torch.autograd.Function):
 def _check_tensors(
     hidden, weight, labels, bias, sequence_parallel, weight_grad_dtype, tp_group, reduction, mean_group
 ):
-    """The fused ops' local checks; returns the int64 labels (or None), the leading shape the labels
-    must have, and the chunk budget (MiB)."""
+    """The fused ops' local checks; returns the int64 labels (or None) and the leading shape the labels
+    must have."""
     if reduction is not None:
         _validate.check_reduction(reduction)
     _validate.check_group("mean_group", mean_group)
@@ -337,7 +337,7 @@ def _check_tensors(
     if labels is not None:
         against = "hidden (gathered over tp_group)" if sequence_parallel else "hidden"
         labels = _validate.check_labels(labels, expected, hidden.device, against=against)
-    return labels, expected, chunk_budget_mib(weight.device)
+    return labels, expected
 
 
 def _prepare(
@@ -347,17 +347,10 @@ def _prepare(
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
-        labels, expected, budget = _check_tensors(
-            hidden,
-            weight,
-            labels,
-            bias,
-            sequence_parallel,
-            weight_grad_dtype,
-            tp_group,
-            reduction,
-            mean_group,
-        )
+        labels, expected = _check_tensors(
+            hidden, weight, labels, bias, sequence_parallel, weight_grad_dtype, tp_group, reduction, mean_group
+        )  # fmt: skip
+        budget = chunk_budget_mib(weight.device) if chunk_size == "auto" else -1.0
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
@@ -371,7 +364,7 @@ def _prepare(
         op=1, hidden_width=h_width, sequence_parallel=int(sequence_parallel), grad=int(grad),
         reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
         mean_group=-1 if mean_group is None else world_size(mean_group),
-        chunk_budget=budget if chunk_size == "auto" else -1.0,
+        chunk_budget=budget,
     )  # fmt: skip
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,

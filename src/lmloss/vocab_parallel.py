@@ -102,7 +102,7 @@ _SHOWN = {
     "grad": "whether gradients will be needed (bits: 1 logits / hidden, 2 weight, 4 bias; grad mode and requires_grad)",
     "mean_group": "mean_group (its size; -1: None)",
     "chunk_size": "chunk_size (-1: None, -2: 'auto')",
-    "chunk_budget": "LMLOSS_CHUNK_BUDGET_MIB (-1.0: unset)",
+    "chunk_budget": "LMLOSS_CHUNK_BUDGET_MIB (fused ops with chunk_size='auto'; -1.0 otherwise)",
     "softcap": "softcap (0.0: None)",
     "impl": "impl (0: torch, 1: triton)",
 }  # fmt: skip
