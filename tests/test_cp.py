@@ -104,6 +104,11 @@ def test_zigzag_refuses_a_length_divisible_by_cp_size_but_not_by_twice_it():
     assert sorted(torch.cat(parts).tolist()) == list(range(20))
 
 
+def test_gather_over_a_group_that_is_not_a_process_group_raises_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        cp.gather(torch.zeros(8), torch.tensor([0, 8]), "cp")
+
+
 def test_cp_size_one_is_the_identity_for_any_length():
     cu = torch.tensor([0, 3, 4, 11])
     x = torch.arange(11)
