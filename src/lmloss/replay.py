@@ -34,7 +34,7 @@ def _slots(support, labels, *, local_vocab, vocab_size, vocab_start, tp_group, i
     start = rank * local_vocab if vocab_start is None else vocab_start
     valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
     return support_slots(
-        sup, labels.reshape(-1), start=start, valid=valid, local_vocab=local_vocab, rank=rank, world=world,
+        sup, labels.reshape(-1), start=start, valid=valid, local_vocab=local_vocab, rank=rank, group=tp_group,
         ignore_index=ignore_index,
     )  # fmt: skip
 

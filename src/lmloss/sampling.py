@@ -497,7 +497,7 @@ def support_slots(
     valid: int,
     local_vocab: int,
     rank: int,
-    world: int,
+    group: ProcessGroup | None,
     ignore_index: int,
 ) -> SupportSlots:
     """Map global support ids and labels onto this rank's slots (see `SupportSlots`)."""
@@ -512,10 +512,10 @@ def support_slots(
     valid_label = labels != ignore_index
     pos = hit.to(torch.int8).argmax(1)
     mine = (labels >= start) & (labels < start + valid)
-    # a slot outside this rank's range for labels another rank owns: the kernel reads the target only
-    # from the owner, every rank sees the same (non-ignored) label set
-    elsewhere = ((rank + 1) % world) * k
-    slot_labels = torch.where(mine, rank * k + pos, elsewhere)
+    # the label's slot is global (owner rank * K + position) and the same on every rank: the rank that
+    # owns it is found with one all-reduce of [N] (exactly one rank's shard holds a supported label)
+    owner = torch.where(mine & in_support, rank, 0)
+    all_reduce_sum_(owner, group)
     dropped = valid_label & ~in_support
-    slot_labels = torch.where(valid_label & in_support, slot_labels, ignore_index)
+    slot_labels = torch.where(valid_label & in_support, owner * k + pos, ignore_index)
     return SupportSlots(local, owned, slot_labels, dropped)
