@@ -150,13 +150,14 @@ class TorchKernels:
             out[:, 3] = torch.where(owned, torch.where(y_label >= keep_min, y_label, float("-inf")), 0.0)
         if sum_logits:
             out[:, 4] = (y * kept).sum(dim=-1)
+        if not entropy:  # exps in the "exps" buffer: the threshold search's, already paged in
+            exps = self.scratch.get("exps", rows, n_valid, acc)
+            out[:, 1] = torch.sub(y, m_row[:, None], out=exps).exp_().mul_(kept).sum(dim=-1)
+            return out
         if identity:
             shifted = torch.sub(y, m_row[:, None], out=self.scratch.get("y", rows, n_valid, acc))
         else:
             shifted = y.sub_(m_row[:, None])
-        if not entropy:
-            out[:, 1] = shifted.exp_().mul_(kept).sum(dim=-1)
-            return out
         exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc)).mul_(kept)
         out[:, 1] = exps.sum(dim=-1)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN
