@@ -283,7 +283,7 @@ def forward_pass(
         keep_min = None
         if plan.sampling is not None:  # the kept set's per-row threshold (collectives over tp_group)
             keep_min, full_lse = keep_thresholds(
-                kernels.scaled(x, plan.math), plan.sampling.rows(s, e), plan.sampling.k_max,
+                kernels.scaled(x, plan.math), plan.sampling.rows(s, e), min(plan.sampling.k_max, plan.shard.vocab_size),
                 group=plan.tp_group, scratch=kernels.scratch, want_full_lse=plan.sampling.log_kept_mass,
             )  # fmt: skip
         if grad_sink is None:

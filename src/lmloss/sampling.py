@@ -16,19 +16,20 @@ This module finds the thresholds without sorting the vocabulary (`keep_threshold
 * top-k: the k-th largest value of the row: ``topk`` of each shard's valid columns, gathered over the TP
   group, ``topk`` again;
 * top-p: a token is kept iff the mass strictly above it is ``< top_p * Z`` (``Z``: mass of the set kept
-  so far). Two per-row histograms of that mass over the value range (256 bins, then 256 bins inside the
-  bin where the cumulative mass crosses ``top_p * Z``; each one pass over the chunk and one all-reduce of
-  ``[c, 258]``) leave a handful of candidate tokens per row; their values are gathered over the group and
-  the exact crossing is found among them in float64, from the float64-accumulated mass above them. A
-  row whose crossing fell outside the candidates (fp32 rounding of a histogram at a bin edge) is solved
-  by a dense sort of that row (rare; counted in `FALLBACK_ROWS`).
+  so far). One pass puts each value in one of `TOP_P_BINS` bins over the row's value range and one
+  ``index_add`` sums the kept mass per bin (all-reduced over the group: ``[c, 2048]``); summed in float64
+  the bins give ``Z``, the bin where the cumulative mass crosses ``top_p * Z`` and the mass above it. The
+  tokens of that bin and its `TOP_P_WINDOW` neighbours (a few dozen per row) are gathered over the group
+  and the exact crossing is found among them in float64. A row whose crossing fell outside the window
+  (fp32 rounding of a bin's sum at a bin edge) is solved by sorting that row alone (rare; counted in
+  `FALLBACK_ROWS`).
 
 Ties: top-k keeps ties at the k-th value, as vLLM does. At the top-p boundary vLLM's choice among equal
 values depends on its sort's order; here all tokens equal to the smallest kept value are kept.
 
 Replay (`support=`): the ids the engine kept per token, ``[N, K]`` padded with -1 (`support_from_offsets`
 converts vLLM's flat ids + offsets), replace the recomputation: the op works on the ``[N, K]`` slots of
-those ids (`gather_support`), fused ops matmul only the weight rows the chunk's ids name.
+those ids (`support_slots`, `lmloss.replay`), fused ops matmul only the weight rows the chunk's ids name.
 """
 
 from __future__ import annotations
