@@ -258,3 +258,21 @@ def test_bad_values_raise_naming_the_argument(kw, match):
 def test_cross_entropy_style_summed_loss_does_not_take_sampling_arguments():
     with pytest.raises(TypeError):
         lmloss.cross_entropy(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), top_k=2)
+
+
+def test_softcap_and_temperature_come_before_the_truncation():
+    n, v, cap, t = 8, 300, 4.0, 0.5
+    logits = make_logits(n, v, seed=10)
+    y = cap * torch.tanh(logits.double() / cap) / t
+    kept = vllm_kept(y, top_p=per_row(0.8, n), min_p=per_row(0.02, n))
+    labels = torch.multinomial(kept.double(), 1, generator=torch.Generator().manual_seed(1)).squeeze(1)
+    x = logits.clone().requires_grad_()
+    lp = lmloss.token_logprobs(x, labels, softcap=cap, temperature=t, top_p=0.8, min_p=0.02)
+    lp.sum().backward()
+    xr = logits.double().requires_grad_()
+    ref = (cap * torch.tanh(xr / cap) / t).masked_fill(~kept, -INF).log_softmax(-1)
+    ref.gather(1, labels[:, None]).sum().backward()
+    torch.testing.assert_close(
+        lp.double(), ref.gather(1, labels[:, None]).squeeze(1).detach(), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
