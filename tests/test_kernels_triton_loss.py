@@ -179,7 +179,8 @@ def test_all_rows_ignored_and_argument_errors():
 # widths, and check it streams x and out with 128-bit accesses in both of its passes.
 AOT_SCRIPT = """
 sig = {"x_ptr": "*bf16", "x_row_stride": "i32", "out_ptr": "*bf16", "out_row_stride": "i32", "labels_ptr": "*i64",
-       "res_ptr": "*fp32", "n_cols": "i32", "n_blocks": "i32", "valid": "i32", "ignore_index": "i32",
+       "res_ptr": "*fp32", "grad_scale_ptr": "*fp32",
+       "n_cols": "i32", "n_blocks": "i32", "valid": "i32", "ignore_index": "i32",
        "scale": "fp32", "softcap": "fp32", "eps": "fp32", "z_loss": "fp32", "inv_vocab": "fp32"}
 flags = dict(SOFTCAP=True, SMOOTHING=True, Z_LOSS=True, BLOCK_V=8192)
 aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)

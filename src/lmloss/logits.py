@@ -13,6 +13,7 @@ import torch
 
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
+from lmloss.kernels import compute_dtype, scale_
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
@@ -94,21 +95,24 @@ class _CrossEntropyInPlace(torch.autograd.Function):
 
     The modification is declared (``ctx.mark_dirty``): another op that saved these logits fails with
     PyTorch's version-counter error instead of computing with a gradient. The backward only scales the
-    stored gradient by the upstream scalar, once.
+    stored gradient (already divided by the mean's count) by the upstream scalar, once, and does nothing
+    over it when that upstream is 1.0.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan):
+    def forward(ctx, logits, labels, plan: LossPlan, denominator):
+        # `denominator` (a 0-d device tensor, or None for "sum"): the mean's count, folded into the gradient here
         flat = logits.view(-1, logits.shape[-1])
         results = forward_pass(
             plan, flat.shape[0], _rows_of(flat), labels, device=logits.device, dtype=logits.dtype,
-            grad_sink=_InPlaceSink(),
+            grad_sink=_InPlaceSink(), grad_scale=None if denominator is None else denominator.reciprocal(),
         )  # fmt: skip
         ctx.mark_dirty(logits)
         ctx.save_for_backward(logits)
         ctx.set_materialize_grads(False)
         ctx.used = False
-        return results["loss"].sum(), logits
+        total = results["loss"].sum()
+        return total if denominator is None else total / denominator, logits
 
     @staticmethod
     @once_differentiable
@@ -126,8 +130,8 @@ class _CrossEntropyInPlace(torch.autograd.Function):
         ctx.used = True
         (grad,) = ctx.saved_tensors
         if grad_total is None:
-            return None, None, None
-        return grad.mul_(grad_total), None, None
+            return None, None, None, None
+        return scale_(grad, grad_total), None, None, None  # no [N, V] work for an upstream of 1.0
 
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
@@ -168,11 +172,23 @@ def reduce_loss(
     if reduction == "none":
         return per_token
     total = per_token.sum()
-    if reduction == "sum":
-        return total
-    count = (labels != ignore_index).sum().to(total.dtype)
+    denominator = loss_denominator(
+        labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group, dtype=total.dtype
+    )
+    return total if denominator is None else total / denominator
+
+
+def loss_denominator(
+    labels: torch.Tensor, *, ignore_index: int, reduction: str, mean_group: ProcessGroup | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """What ``reduction`` divides the summed loss by: for ``"mean"`` the number of non-ignored tokens (over
+    `mean_group` when given: one all-reduce of a scalar), at least 1, a 0-d `dtype` tensor on the labels'
+    device (no host sync); None for ``"sum"``."""
+    if reduction != "mean":
+        return None
+    count = (labels != ignore_index).sum().to(dtype)
     all_reduce_sum_(count, mean_group)
-    return total / count.clamp(min=1.0)
+    return count.clamp(min=1.0)
 
 
 def token_logprobs(
@@ -307,10 +323,12 @@ def cross_entropy(
     compiling = torch.compiler.is_compiling()
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not compiling:
         _check_inplace(logits)
-        total, _ = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan)
-        return reduce_loss(
-            total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group
-        )
+        denominator = loss_denominator(
+            labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
+            dtype=compute_dtype(logits.dtype),
+        )  # fmt: skip
+        loss, _ = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan, denominator)
+        return loss
     (per_token,) = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
     return reduce_loss(
         per_token.view(labels.shape), labels, ignore_index=ignore_index, reduction=reduction,

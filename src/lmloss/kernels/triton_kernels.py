@@ -35,6 +35,7 @@ __all__ = [
     "FORWARD_BLOCKS",
     "BACKWARD_BLOCKS",
     "TritonKernels",
+    "scale_by_device_scalar_",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
@@ -183,7 +184,7 @@ def _softmax_grad_kernel(
 # Every read of pass 1 precedes every write, and pass 2 reads each block before writing it: out may be x.
 @triton.jit
 def _cross_entropy_loss_grad_kernel(
-    x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, res_ptr,
+    x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, res_ptr, grad_scale_ptr,
     n_cols, n_blocks, valid, ignore_index, scale, softcap, eps, z_loss, inv_vocab,
     SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
@@ -223,7 +224,10 @@ def _cross_entropy_loss_grad_kernel(
     tl.store(res_ptr + row * 2 + 0, tl.where(live, lse, 0.0))
     tl.store(res_ptr + row * 2 + 1, tl.where(live, loss, 0.0))
 
-    label_coef = 1.0 - eps if SMOOTHING else 1.0
+    k = tl.load(grad_scale_ptr)  # the upstream of every row's loss (1 / count for a mean), folded in per row
+    p_coef = p_coef * k
+    label_coef = (1.0 - eps if SMOOTHING else 1.0) * k
+    uniform = eps * inv_vocab * k
     for i in range(0, n_blocks):
         cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_vocab = cols < n_read
@@ -237,7 +241,7 @@ def _cross_entropy_loss_grad_kernel(
             dy_dx = scale
         g = p_coef * tl.exp(y - lse) - tl.where(cols == label, label_coef, 0.0)
         if SMOOTHING:
-            g -= eps * inv_vocab
+            g -= uniform
         g = tl.where(in_vocab, g * dy_dx, 0.0)
         tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
@@ -390,9 +394,11 @@ def cross_entropy_loss_and_grad_(
     z_loss: float,
     vocab_size: int,
     out: torch.Tensor,
+    grad_scale: torch.Tensor | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum written into `out`.
+    """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum (times
+    `grad_scale`) written into `out`.
 
     One process holds the whole vocabulary (``math.vocab_start == 0``, ``math.valid == vocab_size``); with
     ``y = scale * softcap(x)`` over the valid columns and ``lse = logsumexp(y)``, a row's loss is
@@ -409,6 +415,8 @@ def cross_entropy_loss_and_grad_(
         vocab_size: the number of classes (the smoothing's uniform target spreads over these).
         out: ``[c, V_local]`` float, ``out.stride(1) == 1``; may be ``x`` itself (the in-place mode: a row's
             program reads all of it before writing any, then reads each block before overwriting it).
+        grad_scale: one-element fp32 tensor on x's device multiplying the gradient (``1 / count`` for a mean,
+            read by the kernel: no host sync); None for 1.
         block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
 
     Returns:
@@ -431,19 +439,50 @@ def cross_entropy_loss_and_grad_(
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     labels = _row_vector("labels", labels, rows, _INTS)
+    if grad_scale is None:
+        grad_scale = torch.ones((), dtype=torch.float32, device=x.device)
+    elif grad_scale.numel() != 1 or grad_scale.device != x.device:
+        raise ValueError(f"grad_scale must be one element on {x.device}, got {tuple(grad_scale.shape)}")
+    grad_scale = grad_scale.reshape(()).to(torch.float32)
     res = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
     if rows == 0:
         return res
     block, warps = _block(n_cols, FORWARD_BLOCKS, block_v)
     with _device_guard(x):
         _cross_entropy_loss_grad_kernel[(rows,)](
-            x, x.stride(0), out, out.stride(0), labels, res, n_cols, triton.cdiv(n_cols, block), vocab_size,
+            x, x.stride(0), out, out.stride(0), labels, res, grad_scale, n_cols, triton.cdiv(n_cols, block), vocab_size,
             int(ignore_index), float(math.scale), float(math.softcap or 1.0), float(label_smoothing),
             float(z_loss), 1.0 / vocab_size,
             SOFTCAP=bool(math.softcap), SMOOTHING=label_smoothing > 0, Z_LOSS=z_loss > 0,
             BLOCK_V=block, num_warps=warps,
         )  # fmt: skip
     return res
+
+
+# Contract: t[i] *= factor for i < n, where factor is read on the device; when it is exactly 1.0 every program's
+# mask is empty, so nothing of t is loaded or stored (the backward of loss.backward() moves no bytes).
+@triton.jit
+def _scale_kernel(t_ptr, n, factor_ptr, BLOCK: tl.constexpr):
+    f = tl.load(factor_ptr).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.where(f != 1.0, n, 0)
+    t = tl.load(t_ptr + offs, mask=mask)
+    tl.store(t_ptr + offs, (t.to(tl.float32) * f).to(t_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t *= factor`` for a contiguous float `t` and a 0-d `factor` on its device, with no host sync; nothing
+    of `t` is read or written when ``factor == 1.0``. Returns `t`."""
+    if not t.is_contiguous() or t.dtype not in _FLOATS:
+        raise ValueError(f"t must be contiguous with dtype in {_FLOATS}, got {t.dtype}")
+    if factor.numel() != 1 or factor.device != t.device:
+        raise ValueError(f"factor must be one element on {t.device}, got {tuple(factor.shape)} on {factor.device}")
+    n = t.numel()
+    if n:
+        block = 4096
+        with _device_guard(t):
+            _scale_kernel[(triton.cdiv(n, block),)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
+    return t
 
 
 class TritonKernels:
@@ -468,12 +507,13 @@ class TritonKernels:
         return result, softmax_grad_(x, labels, lse, None, coef, math, out)
 
     def loss_and_grad_(
-        self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out
+        self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out, grad_scale=None
     ) -> dict[str, torch.Tensor]:
         """The single-process scalar-loss chunk in one kernel (`cross_entropy_loss_and_grad_`): returns
-        ``{"lse": [c], "loss": [c]}`` fp32 (0 for ignored rows) and writes d(sum of losses)/dx into `out`."""
+        ``{"lse": [c], "loss": [c]}`` fp32 (0 for ignored rows) and writes ``grad_scale`` d(sum of losses)/dx
+        into `out`."""
         res = cross_entropy_loss_and_grad_(
             x, labels, math, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-            vocab_size=vocab_size, out=out,
+            vocab_size=vocab_size, out=out, grad_scale=grad_scale,
         )  # fmt: skip
         return {"lse": res[:, 0], "loss": res[:, 1]}
