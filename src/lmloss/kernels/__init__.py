@@ -24,8 +24,10 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 
     g_j = a * p_j + d * p_j * (logp_j + H) + b * [j == label] + c,   then times dy/dx (scale, softcap)
 
-where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
-whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
+where a term whose coefficient is 0 adds exactly 0 (the Triton kernels guarantee it for the ``p`` terms
+through the row: in a row with ``a == d == 0`` its lse takes no part, nor H where ``d == 0``; the
+logits themselves are then finite in every row the ops produce), ``p * (logp + H)`` is 0 where ``p == 0``,
+and a row whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
 
 The scalar-loss paths (``reduction="sum" / "mean"`` with the gradient computed in the forward) fold the

@@ -54,7 +54,6 @@ ROLES: tuple[tuple[str, str, int], ...] = (
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
-_ACCESS = re.compile(r"\b(LDG|STG)\.E(?:\.(?:EL|EF|LU|NA|STRONG\.\w+|CONSTANT|\w*EVICT\w*))*(?:\.(\d+|U16|S16|U8|S8|64))?")
 
 
 @dataclasses.dataclass
@@ -91,13 +90,20 @@ def _sass_and_registers(cubin: bytes) -> tuple[str, int]:
     return sass, registers
 
 
+def _opcode(instruction: str) -> str:
+    """``LDG.E.128`` of ``@!P0 LDG.E.128 R4, desc[UR4][R2.64]`` (the predicate dropped)."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
 def _access_bytes(instruction: str) -> int | None:
-    """Bytes one thread moves with a global load / store instruction (None if it is neither)."""
-    m = _ACCESS.search(instruction)
-    if not m:
+    """Bytes one thread moves with a global load / store instruction (None if it is neither): the width
+    modifier of ``LDG`` / ``STG`` (``.128``, ``.64``, ``.U16``, ...; none means 32 bits)."""
+    parts = _opcode(instruction).split(".")
+    if parts[0] not in ("LDG", "STG"):
         return None
-    width = m.group(2)
-    return {None: 4, "U16": 2, "S16": 2, "U8": 1, "S8": 1, "64": 8}.get(width, int(width or 32) // 8)
+    sizes = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+    return next((sizes[p] for p in parts[1:] if p in sizes), 4)
 
 
 def innermost_loops(sass: str) -> list[list[str]]:
@@ -118,7 +124,7 @@ def main_loops(sass: str) -> list[list[str]]:
     """Innermost loops that stream the row: they load from global memory and no load is predicated."""
     found = []
     for body in innermost_loops(sass):
-        loads = [i for i in body if i.lstrip("@!P0123456789T ").startswith("LDG")]
+        loads = [i for i in body if _opcode(i).startswith("LDG")]
         if loads and not any(i.startswith("@") for i in loads):
             found.append(body)
     return found
@@ -142,9 +148,13 @@ def _compile(kernel, signature: dict, constexprs: dict, aligned: set[str], num_w
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def kernel_rows(label: str, width: int, valid: int, roles: tuple[str, ...] | None = None) -> list[Row]:
+def kernel_rows(
+    label: str, width: int, valid: int, roles: tuple[str, ...] | None = None, all_options: bool = False
+) -> list[Row]:
     """Compile the kernels the ops launch for bf16 logits ``[N, width]`` (contiguous, `valid` vocabulary
-    columns), at their default blocks, and measure each role's loop."""
+    columns), at their default blocks, and measure each role's loop. Default options: log-probs / plain
+    cross-entropy at temperature 1; `all_options`: temperature, softcap, entropy, label smoothing and
+    z-loss all on."""
     from lmloss.kernels import triton_kernels as tk
 
     f32, i32 = "fp32", "i32"
@@ -154,27 +164,28 @@ def kernel_rows(label: str, width: int, valid: int, roles: tuple[str, ...] | Non
     if width % 16 == 0:
         sixteen |= {"x_row_stride", "out_row_stride"}
     math = {"scale": f32, "inv_cap": f32, "cap_scale": f32}
-    flags = dict(SCALE=False, SOFTCAP=False, ALIGN=8, FAST=True)
+    on = all_options
+    flags = dict(SCALE=on, SOFTCAP=on, ALIGN=8, FAST=True)
     specs = {
         "softmax_partials": (
             tk._softmax_partials_kernel, tk.FORWARD_BLOCKS, valid,
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": i32,
              "vocab_start": i32, **math},
-            dict(flags, ENTROPY=False, TARGET=True, SUM_LOGITS=False),
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on),
         ),
         "softmax_grad": (
             tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width,
             {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
              "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": i32,
              "valid": i32, "vocab_start": i32, **math},
-            dict(flags, ENTROPY=False, LABELS=True),
+            dict(flags, ENTROPY=on, LABELS=True),
         ),
         "cross_entropy_loss_and_grad": (
             tk._cross_entropy_loss_grad_kernel, tk.FORWARD_BLOCKS, width,
             {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
              "labels_ptr": "*i64", "res_ptr": "*fp32", "grad_scale_ptr": "*fp32", "n_rows": i32, "n_cols": i32,
              "valid": i32, "ignore_index": i32, **math, "eps": f32, "z_loss": f32, "inv_vocab": f32},
-            dict(flags, SMOOTHING=False, Z_LOSS=False),
+            dict(flags, SMOOTHING=on, Z_LOSS=on),
         ),
     }  # fmt: skip
     rows = []
@@ -200,8 +211,9 @@ def kernel_rows(label: str, width: int, valid: int, roles: tuple[str, ...] | Non
     return rows
 
 
-def report(widths=WIDTHS, roles: tuple[str, ...] | None = None) -> list[Row]:
-    return [row for label, width, valid in widths for row in kernel_rows(label, width, valid, roles)]
+def report(widths=WIDTHS, roles: tuple[str, ...] | None = None, all_options: bool = False) -> list[Row]:
+    """`kernel_rows` for each of `widths` (``(label, width, valid)``)."""
+    return [row for label, w, valid in widths for row in kernel_rows(label, w, valid, roles, all_options)]
 
 
 def format_table(rows: list[Row]) -> str:
@@ -221,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON list of rows instead of a table")
     parser.add_argument("--vocab", nargs="+", help="only these widths (labels of WIDTHS, or plain integers)")
     parser.add_argument("--role", nargs="+", choices=sorted({r for _, r, _ in ROLES}), help="only these roles")
+    parser.add_argument("--all-options", action="store_true",
+                        help="temperature, softcap, entropy, label smoothing and z-loss on (default: all off)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the compiler is off under the interpreter: run in a child
         env = dict(os.environ, TRITON_INTERPRET="0")
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab:
         known = {label: (label, w, v) for label, w, v in WIDTHS}
         widths = tuple(known.get(v) or (v, int(v), int(v)) for v in args.vocab)
-    rows = report(widths, tuple(args.role) if args.role else None)
+    rows = report(widths, tuple(args.role) if args.role else None, args.all_options)
     if args.json:
         json.dump([dataclasses.asdict(r) for r in rows], sys.stdout, indent=1)
         print()

@@ -4,14 +4,25 @@ Same contract as ``lmloss.kernels.torch_ref``; see ``lmloss.kernels`` for ``Chun
 ``x [c, V_local]`` (fp32 / bf16 / fp16, ``x.stride(1) == 1``, any row stride) and a valid column ``j < valid``,
 ``y_j = scale * (softcap * tanh(x_j / softcap) if softcap else x_j)`` in fp32; padded columns take no part.
 
-- ``softmax_partials``: one program per row walks the valid columns in ``BLOCK_V`` blocks with an online max,
-  so a row is read once whatever V is; returns the fp32 ``[c, 5]`` partials (max, sum exp, entropy numerator,
-  target logit, sum of logits) that the caller combines across vocabulary shards.
-- ``softmax_grad_``: a 2-D grid (row, vocabulary block), each program reading its block once and writing its
-  gradient once, which is what makes ``out is x`` (the in-place mode) safe.
-- ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel. One program per row reads
-  the row for its log-sum-exp and loss, then walks it again (from its last block, the likeliest still in L2)
-  writing ``d loss / d x``: one read from memory and one write where the two-kernel path reads twice.
+- ``softmax_partials``: one program per row walks the valid columns in ``BLOCK_V`` blocks, each lane keeping
+  its own running max and sum (one exp per element; the lanes are reduced once per row), so a row is read
+  once whatever V is; returns the fp32 ``[c, 5]`` partials (max, sum exp, entropy numerator, target logit,
+  sum of logits) that the caller combines across vocabulary shards.
+- ``softmax_grad_``: program (row, split) walks every splits-th block of the row (splits > 1 only when the
+  chunk has too few rows to fill the GPU), reading each block once and writing its gradient once, which is
+  what makes ``out is x`` (the in-place mode) safe.
+- ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel, on a persistent grid of
+  one program per SM. A program reads a row for its log-sum-exp and loss (keeping it in L2: evict_last),
+  then walks it back from where it ended (evict_first) writing ``d loss / d x``: one read from memory and
+  one write where the two-kernel path reads twice. The gradient comes out times ``grad_scale`` (a device
+  scalar: the mean's ``1 / count``).
+
+Every row walk has the same shape: an unmasked main loop from the row's first 16-byte aligned column in whole
+blocks (16-byte loads and stores whatever the width and row stride), and one masked edge block for the
+columns before and after it. The lanes' summation order follows that alignment, so a row at another
+address may round differently in the last bit (a given layout is deterministic). ``python -m
+lmloss.kernels.report`` compiles the kernels for sm_90 and reports registers, spills, load widths and SASS
+instructions per element of these loops (docs/kernels.md).
 
 This module is the only one in lmloss that imports ``triton``; import it only when the Triton implementation
 is selected.
@@ -39,10 +50,10 @@ __all__ = [
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
-# Forward: one program walks a whole row, so large blocks amortise the two block reductions per step
-# (8192 bf16 = 16 KiB in flight per program, 16 elements per thread at 16 warps).
-# Backward: no loop and no reduction, a block per program; 4096 keeps rows x blocks programs many enough
-# to fill the GPU for chunks of a few hundred rows.
+# Forward (and the one-kernel loss): one program walks a whole row, 16 elements per thread per step (8192 bf16
+# = 16 KiB in flight per program at 16 warps); the per-lane max / sum cost registers, not reductions.
+# Backward: no reduction; 4096 at 8 warps (16 elements per thread) keeps the loop short per program when a
+# small chunk's rows are split across programs.
 FORWARD_BLOCKS: tuple[tuple[float, int, int], ...] = (
     (1024, 1024, 4),
     (8192, 4096, 8),
