@@ -42,13 +42,13 @@ WIDTHS: tuple[tuple[str, int, int], ...] = (
     ("151936/tp8-last", 18992, 18699),
 )
 
-#: (kernel, role, loop): the loops each role is measured on, in the order they appear in the kernel's SASS
-#: among its innermost loops that load from global memory with unpredicated 16-byte loads.
-ROLES: tuple[tuple[str, str, int], ...] = (
-    ("softmax_partials", "forward", 0),
-    ("softmax_grad", "backward", 0),
-    ("cross_entropy_loss_and_grad", "cross_entropy_pass1", 0),
-    ("cross_entropy_loss_and_grad", "cross_entropy_pass2", 1),
+#: (kernel, role, stores): each role is measured on the first of its kernel's main loops (`main_loops`) that
+#: stores to global memory (a gradient pass) or not (a statistics pass), as `stores` says.
+ROLES: tuple[tuple[str, str, bool], ...] = (
+    ("softmax_partials", "forward", False),
+    ("softmax_grad", "backward", True),
+    ("cross_entropy_loss_and_grad", "cross_entropy_pass1", False),
+    ("cross_entropy_loss_and_grad", "cross_entropy_pass2", True),
 )
 
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
@@ -190,7 +190,7 @@ def kernel_rows(
     }  # fmt: skip
     rows = []
     for name, (kernel, table, n, signature, constexprs) in specs.items():
-        wanted = [(role, index) for k, role, index in ROLES if k == name and (roles is None or role in roles)]
+        wanted = [(role, stores) for k, role, stores in ROLES if k == name and (roles is None or role in roles)]
         if not wanted:
             continue
         block, warps = tk.block_config(n, table)
@@ -198,10 +198,11 @@ def kernel_rows(
         sass, registers = _sass_and_registers(compiled.asm["cubin"])
         loops = main_loops(sass)
         spills = sum(1 for line in sass.splitlines() if re.search(r"\bSTL\b", line))
-        for role, index in wanted:
-            if index >= len(loops):
-                raise RuntimeError(f"{name}: found {len(loops)} main loops in the SASS, wanted loop {index}")
-            vectorized, count, elements = measure(loops[index], element_size=2)
+        for role, stores in wanted:
+            body = next((b for b in loops if any(_opcode(i).startswith("STG") for i in b) == stores), None)
+            if body is None:
+                raise RuntimeError(f"{name}: no main loop {'with' if stores else 'without'} stores in the SASS")
+            vectorized, count, elements = measure(body, element_size=2)
             rows.append(Row(
                 kernel=name, role=role, vocab=label, block_v=block, num_warps=warps, registers=registers,
                 spills=spills, shared_memory=int(compiled.metadata.shared), vectorized_main_loop=vectorized,
