@@ -639,15 +639,19 @@ def cross_entropy_loss_and_grad_(
     return res
 
 
-# Contract: t[i] *= factor for i < n, where factor is read on the device; when it is exactly 1.0 every program's
-# mask is empty, so nothing of t is loaded or stored (the backward of loss.backward() moves no bytes).
+# Contract: t[i] *= factor for i < n, where factor is read on the device; a grid of a few programs per SM walks
+# the blocks. When factor is exactly 1.0 the walk is empty: each program reads the factor and exits, nothing
+# of t is loaded or stored (the backward of loss.backward() moves no bytes).
 @triton.jit
 def _scale_kernel(t_ptr, n, factor_ptr, BLOCK: tl.constexpr):
     f = tl.load(factor_ptr).to(tl.float32)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.where(f != 1.0, n, 0)
-    t = tl.load(t_ptr + offs, mask=mask)
-    tl.store(t_ptr + offs, (t.to(tl.float32) * f).to(t_ptr.dtype.element_ty), mask=mask)
+    n_scaled = tl.where(f != 1.0, n, 0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n_scaled, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_scaled
+        t = tl.load(t_ptr + offs, mask=mask)
+        tl.store(t_ptr + offs, (t.to(tl.float32) * f).to(t_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -661,7 +665,8 @@ def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tens
     if n:
         block = 4096
         with _device_guard(t):
-            _scale_kernel[(triton.cdiv(n, block),)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
+            grid = min(triton.cdiv(n, block), _programs(t.device))
+            _scale_kernel[(grid,)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
     return t
 
 
