@@ -77,7 +77,7 @@ _FLT_MAX = 3.4028234663852886e38
 
 # Hardware forms on the GPU (FAST, a constexpr the wrappers set for CUDA tensors): one MUFU instruction each,
 # ex2 flushing denormal results to zero (the non-ftz ex2 costs four more instructions to rescale them) and
-# tanh.approx (max relative error 2^-11, below bf16's half ulp of 2^-9). The interpreter, which tests these
+# tanh.approx (relative error about 2^-11, below bf16's half ulp of 2^-9). The interpreter, which tests these
 # kernels on the CPU, cannot run PTX: there they are written with tl.exp2 and exp.
 @triton.jit
 def _exp2(x, FAST: tl.constexpr):
