@@ -1,5 +1,5 @@
-"""What the Triton kernel test modules share: where their tensors live, and an ahead-of-time compile for
-an H100 (sm_90) without a GPU.
+"""What the Triton kernel test modules share: where their tensors live, and the static sm_90 report
+(`lmloss.kernels.report`) run without a GPU.
 
 The test process runs Triton's interpreter (TRITON_INTERPRET=1 is read once, at import), so the compile
 happens in a child process with it off and a private cache.
@@ -27,17 +27,9 @@ def kernel_test_device() -> str:
     pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
 
 
-PREAMBLE = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from lmloss.kernels import triton_kernels as tk
-"""
-
-
-def compile_for_h100(script: str, cache_dir: Path):
-    """Run ``PREAMBLE + script`` (which prints JSON) in a child process; return the parsed JSON."""
+def report_for_h100(args: list[str], cache_dir: Path) -> list[dict]:
+    """``python -m lmloss.kernels.report --json *args`` in a child process (interpreter off, private Triton
+    cache): the rows it prints."""
     import triton
 
     if "nvidia" not in triton.backends.backends:
@@ -50,7 +42,8 @@ def compile_for_h100(script: str, cache_dir: Path):
     )
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, "-c", PREAMBLE + script], env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-m", "lmloss.kernels.report", "--json", *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)

@@ -24,9 +24,18 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 
     g_j = a * p_j + d * p_j * (logp_j + H) + b * [j == label] + c,   then times dy/dx (scale, softcap)
 
-where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
-whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
+where a term whose coefficient is 0 adds exactly 0 (the Triton kernels guarantee it for the ``p`` terms
+through the row: in a row with ``a == d == 0`` its lse takes no part, nor H where ``d == 0``; the
+logits themselves are then finite in every row the ops produce), ``p * (logp + H)`` is 0 where ``p == 0``,
+and a row whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
+
+The scalar-loss paths (``reduction="sum" / "mean"`` with the gradient computed in the forward) fold the
+reduction's factor into the gradient there: ``grad_scale`` (a 0-d device tensor, ``1 / count`` for a mean)
+multiplies the per-token upstream, so the gradient comes out already scaled and no host sync is needed.
+The backward then multiplies by the upstream scalar with `scale_`, which does nothing over the gradient
+when that upstream is exactly 1.0 (the common ``loss.backward()``), and `scaled_cast` scales and casts in
+one pass.
 """
 
 from __future__ import annotations
@@ -89,6 +98,35 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
                 'interpreter (TRITON_INTERPRET=1 before triton is imported); use impl="torch" or "auto"'
             )
     return impl
+
+
+def scale_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t *= factor`` in place for a 0-d `factor`, touching nothing of `t` when ``factor == 1.0`` exactly.
+
+    No host sync on CUDA: a Triton kernel reads `factor` on the device and its programs load and store
+    nothing when it is 1 (without triton, or for a non-contiguous `t`, a plain ``mul_``). Off CUDA the
+    value is read on the host, which costs no sync there.
+    """
+    if t.device.type == "cuda" and factor.device.type == "cuda":
+        if triton_available() and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            from lmloss.kernels.triton_kernels import scale_by_device_scalar_
+
+            return scale_by_device_scalar_(t, factor)
+        return t.mul_(factor)
+    if torch.compiler.is_compiling() or factor.item() != 1.0:
+        t.mul_(factor)
+    return t
+
+
+def scaled_cast(t: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(t * factor).to(dtype)`` in one pass over `t` (`t` itself, scaled in place, when it has `dtype`);
+    `factor` 0-d or None (no scaling)."""
+    if factor is None:
+        return t.to(dtype)
+    if t.dtype == dtype:
+        return scale_(t, factor)
+    # mul with out= of a narrower float dtype computes in t's precision and rounds once on the store
+    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
 def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
