@@ -63,12 +63,25 @@ def test_shipped_dataset_is_the_generators_output():
     assert shipped == tasks.generate()
 
 
-def test_bpe_training_is_deterministic_and_cached(tmp_path):
+def test_bpe_training_is_deterministic_and_cached_only_for_the_same_texts(tmp_path):
     texts = ["next: monday\n tuesday", "add: 1 + 2\n 3"] * 50
     assert train_bpe(texts, 300).to_str() == train_bpe(texts, 300).to_str()
-    first = prepare_tokenizer(texts, 300, tmp_path / "tok.json")
-    again = prepare_tokenizer(["other text entirely"], 300, tmp_path / "tok.json")  # read from the cache
-    assert again.encode("add: 1 + 2") == first.encode("add: 1 + 2")
+    cache = tmp_path / "tok.json"
+    first = prepare_tokenizer(texts, 300, cache)
+    written = cache.stat().st_mtime_ns
+    again = prepare_tokenizer(texts, 300, cache)
+    assert cache.stat().st_mtime_ns == written  # read from the cache, not retrained
+    assert again.encode("add: 1 + 2") == first.encode("add: 1 + 2") and len(first.encode("add: 1 + 2")) < 6
+    # another dataset (an earlier run's tokenizer left in --out) is never reused: it is retrained on these
+    other = prepare_tokenizer(["zebra quartz xylophone"] * 50, 300, cache)
+    assert other.encode("add: 1 + 2") == train_bpe(["zebra quartz xylophone"] * 50, 300).encode(
+        "add: 1 + 2", add_special_tokens=False).ids  # fmt: skip
+    assert len(other.encode("add: 1 + 2")) > len(first.encode("add: 1 + 2"))
+    # a cache file changed since it was written (its sha256 no longer matches) is retrained too
+    prepare_tokenizer(texts, 300, cache)
+    cache.write_text(cache.read_text() + " ")
+    assert prepare_tokenizer(texts, 300, cache).encode("add: 1 + 2") == first.encode("add: 1 + 2")
+    assert not cache.read_text().endswith(" ")
 
 
 def test_prompt_tokens_are_not_targets_and_eos_is(tokenizer_file):
@@ -234,7 +247,7 @@ def test_demo_layout_on_a_one_gpu_machine_runs_on_cpu_and_says_so(
     _gpus(monkeypatch, 1)
     launched = {}
     monkeypatch.setattr(
-        launch, "spawn", lambda nproc, device, fn, cfg: launched.update(nproc=nproc, device=device)
+        launch, "spawn", lambda nproc, device, fn, *args: launched.update(nproc=nproc, device=device)
     )
     with pytest.raises(FileNotFoundError):  # no summary: nothing ran
         run(_config(tmp_path, tokenizer_file, cp=2, nproc=2, device="auto"))
@@ -257,7 +270,7 @@ def test_missing_dataset_file_is_reported(tmp_path, capsys):
 
 def test_empty_dataset_is_reported(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    err = _cli_error(capsys, "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path))
+    err = _cli_error(capsys, "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "out"))
     assert "holds no examples" in err
 
 
