@@ -191,6 +191,41 @@ def test_config_yaml_with_command_line_override(tmp_path):
     assert cfg.memory_profile == {"profile_steps": [0, 3]}
 
 
+def test_config_yaml_values_are_coerced_to_their_field_types(tmp_path):
+    # YAML 1.1 reads 1e-3 as a string (no dot) and keeps quoted "false" a string: both are unambiguous
+    path = tmp_path / "run.yaml"
+    path.write_text('lr: 1e-3\nweight_decay: 1e-2\nsteps: "5"\ngrad_clip: 1\nshuffle: "false"\n'
+                    'truncate: "Yes"\nchunk_size: "64"\noverride: [lr, tokens-per-batch]\n')  # fmt: skip
+    cfg = SFTConfig.from_yaml(path)
+    assert (cfg.lr, cfg.weight_decay, cfg.steps, cfg.grad_clip) == (1e-3, 1e-2, 5, 1.0)
+    assert type(cfg.lr) is float and type(cfg.steps) is int and type(cfg.grad_clip) is float
+    assert cfg.shuffle is False and cfg.truncate is True and cfg.chunk_size == 64
+    assert cfg.override == ("lr", "tokens_per_batch")
+    # shuffle: "false" keeps the file order (it used to be a truthy string, and shuffled)
+    order = data.BatchOrder([1] * 8, 2, seed=0, shuffle=cfg.shuffle)
+    assert order.epoch(0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("shuffle: maybe", "shuffle must be true or false, got 'maybe'"),
+        ("shuffle: 2", "shuffle must be true or false, got 2"),
+        ("lr: fast", "lr must be a number, got 'fast'"),
+        ("steps: 2.5", "steps must be an integer, got 2.5"),
+        ("lr: .nan", "lr must be a finite number >= 0, got nan"),
+        ("data: 7", "data must be a string, got 7 (int)"),
+        ("override: [learning_rate]", "override names ['learning_rate'] are not run settings"),
+    ],
+)
+def test_config_yaml_value_of_the_wrong_type_names_the_field(tmp_path, capsys, line, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(line + "\n")
+    err = _cli_error(capsys, "--config", str(path), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"lmloss sft: error: {message}")
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_device_trains_on_cuda_and_starts_where_the_cpu_run_starts(tmp_path, tokenizer_file):
     # step 1's loss is a forward before any update: CUDA and CPU agree up to summation order

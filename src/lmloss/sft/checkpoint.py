@@ -113,7 +113,9 @@ def verify(path: str | Path) -> str | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"its {MANIFEST} is damaged"
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    if not isinstance(shards, dict) or sorted(shards) != sorted(f"tp{t}.pt" for t in range(manifest.get("tp", 0))):
+    if not isinstance(shards, dict) or sorted(shards) != sorted(
+        f"tp{t}.pt" for t in range(manifest.get("tp", 0))
+    ):
         return f"its {MANIFEST} is damaged"
     for name, want in shards.items():
         file = path / name
@@ -163,7 +165,9 @@ def find(out: str | Path, resume: str) -> ResumePoint:
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
     reason = verify(path)
     if reason is not None:
-        raise CheckpointError(f"--resume {resume}: the checkpoint is not intact ({reason}); nothing was resumed")
+        raise CheckpointError(
+            f"--resume {resume}: the checkpoint is not intact ({reason}); nothing was resumed"
+        )
     return _point(path, None)
 
 

@@ -122,9 +122,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"lmloss sft: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
-        if os.environ.get("RANK", "0") == "0":  # under torchrun: once
-            print(interrupted_message(cfg), file=sys.stderr, flush=True)
+        previous = signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a second Ctrl-C must not cut this line short
+        try:
+            if os.environ.get("RANK", "0") == "0":  # under torchrun: once
+                print(interrupted_message(cfg), file=sys.stderr, flush=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return INTERRUPTED
     return 0
 

@@ -105,7 +105,9 @@ class SFTConfig:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         unknown = sorted(set(self.override) - set(RUN_FIELDS))
         if unknown:
-            raise ConfigError(f"override names {unknown} are not run settings; known: {', '.join(RUN_FIELDS)}")
+            raise ConfigError(
+                f"override names {unknown} are not run settings; known: {', '.join(RUN_FIELDS)}"
+            )
         if self.overwrite and self.resume is not None:
             raise ConfigError("--overwrite clears --out, --resume continues from it: pass one of them")
         if self.micro_batches is not None and (self.micro_batches < 1 or self.micro_batches % self.dp):
@@ -232,7 +234,9 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as err:
-                raise ConfigError(f"{name} must be a mapping (JSON or YAML), got {value!r}: {err.msg}") from None
+                raise ConfigError(
+                    f"{name} must be a mapping (JSON or YAML), got {value!r}: {err.msg}"
+                ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a mapping, got {value!r}")
         return value

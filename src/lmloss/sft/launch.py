@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lmloss.sft.checkpoint import ResumePoint
 from lmloss.sft.config import SFTConfig
 from lmloss.sft.parallel import (
     Mesh,
@@ -21,12 +22,19 @@ from lmloss.sft.parallel import (
     run_distributed,
     spawn,
 )
-from lmloss.sft.checkpoint import ResumePoint
 from lmloss.sft.trainer import PreparedData, Trainer, prepare_data, prepare_resume
 
 #: What a run writes into --out: the only names --overwrite deletes (besides hidden ``.*.tmp`` files).
 RUN_OUTPUTS = frozenset(
-    {"metrics.jsonl", "loss.png", "summary.json", "tokenizer.json", "tokenizer.meta.json", "checkpoints", "memory"}
+    {
+        "metrics.jsonl",
+        "loss.png",
+        "summary.json",
+        "tokenizer.json",
+        "tokenizer.meta.json",
+        "checkpoints",
+        "memory",
+    }
 )
 
 

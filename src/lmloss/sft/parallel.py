@@ -210,6 +210,10 @@ class RankError(ValueError):
     """A spawned rank stopped on a user error (bad config, data, checkpoint); the message is that error's."""
 
 
+#: How `spawn` starts the ranks: a fresh interpreter each, which is safe with CUDA (a forked child cannot use
+#: CUDA once the parent has initialised it). Tests on CPU set "fork" to skip the imports.
+START_METHOD = "spawn"
+
 #: Exit status of a spawned rank that stopped on Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPTED = 130
 
@@ -252,13 +256,13 @@ def spawn(nproc: int, device_name: str, fn: Callable, *args) -> None:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-    errors = mp.get_context("spawn").SimpleQueue()
+    errors = mp.get_context(START_METHOD).SimpleQueue()
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..." per rank
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
     try:
         context = mp.start_processes(_spawned_worker, args=(nproc, free_port(), device_name, errors, fn, args),
-                                     nprocs=nproc, start_method="spawn", join=False)  # fmt: skip
+                                     nprocs=nproc, start_method=START_METHOD, join=False)  # fmt: skip
         try:
             while not context.join():
                 pass

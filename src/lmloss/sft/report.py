@@ -47,7 +47,9 @@ class MetricsLog:
         if lines and lines[-1] == "":
             lines.pop()  # the file ends with a newline: no torn line
         elif lines:
-            self.notes.append(f"{self.path}: dropped a torn last line (a crash mid-write): {lines[-1][:60]!r}")
+            self.notes.append(
+                f"{self.path}: dropped a torn last line (a crash mid-write): {lines[-1][:60]!r}"
+            )
             lines.pop()
         keep = []
         for ln in lines:

@@ -77,9 +77,7 @@ def prepare_data(cfg: SFTConfig) -> PreparedData:
     return PreparedData(tok, tokenized, truncated, data_sha256)
 
 
-def prepare_resume(
-    cfg: SFTConfig, prepared: PreparedData
-) -> tuple[SFTConfig, checkpoint.ResumePoint | None]:
+def prepare_resume(cfg: SFTConfig, prepared: PreparedData) -> tuple[SFTConfig, checkpoint.ResumePoint | None]:
     """The checkpoint ``cfg.resume`` names (verified, newest intact for ``latest``) and `cfg` resolved
     against it (`lmloss.sft.resume.resolve`); ``(cfg, None)`` for a fresh run."""
     if cfg.resume is None:
