@@ -112,9 +112,17 @@ def verify(path: str | Path) -> str | None:
         return f"no {MANIFEST}: its save did not finish"
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"its {MANIFEST} is damaged"
-    shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    if not isinstance(shards, dict) or sorted(shards) != sorted(
-        f"tp{t}.pt" for t in range(manifest.get("tp", 0))
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tp"), int):
+        return f"its {MANIFEST} is damaged"
+    shards = manifest.get("shards")
+    expected = sorted(f"tp{t}.pt" for t in range(manifest["tp"]))
+    if (
+        not isinstance(shards, dict)
+        or sorted(shards) != expected
+        or not all(
+            isinstance(w, dict) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+            for w in shards.values()
+        )
     ):
         return f"its {MANIFEST} is damaged"
     for name, want in shards.items():
@@ -130,7 +138,7 @@ def verify(path: str | Path) -> str | None:
     return None
 
 
-def _step_dirs(root: Path) -> list[Path]:
+def step_dirs(root: Path) -> list[Path]:
     """``step_<N>`` directories under `root`, newest (largest N) first."""
     found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := re.fullmatch(r"step_(\d+)", p.name))]
     return [p for _, p in sorted(found, key=lambda x: x[0], reverse=True) if p.is_dir()]
@@ -144,7 +152,7 @@ def find(out: str | Path, resume: str) -> ResumePoint:
     """
     if resume == "latest":
         root = Path(out) / "checkpoints"
-        candidates = _step_dirs(root)
+        candidates = step_dirs(root)
         if not candidates:
             raise FileNotFoundError(f"--resume latest: no checkpoint under {root}")
         skipped = []

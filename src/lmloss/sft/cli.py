@@ -138,7 +138,7 @@ def interrupted_message(cfg: SFTConfig | None) -> str:
     """One line after Ctrl-C: the last step logged and how to go on from the newest saved checkpoint."""
     if cfg is None:
         return "lmloss sft: interrupted before the run started"
-    from lmloss.sft.checkpoint import MANIFEST, _step_dirs
+    from lmloss.sft.checkpoint import MANIFEST, step_dirs
 
     out = Path(cfg.out)
     last = None
@@ -147,7 +147,7 @@ def interrupted_message(cfg: SFTConfig | None) -> str:
             last = json.loads(line)["step"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no log yet, or its last line torn by the interrupt
-    saved = [p for p in _step_dirs(out / "checkpoints") if (p / MANIFEST).is_file()]
+    saved = [p for p in step_dirs(out / "checkpoints") if (p / MANIFEST).is_file()]
     where = f" after step {last}" if last is not None else ""
     if saved:
         instead = " in place of --overwrite" if cfg.overwrite else ""

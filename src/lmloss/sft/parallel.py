@@ -12,6 +12,7 @@ Groups each rank holds (None where that dimension has size 1, so single-process 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -218,12 +219,20 @@ START_METHOD = "spawn"
 INTERRUPTED = 130
 
 
+def _leave_quietly(*_) -> None:
+    """SIGINT in a spawned rank: flush what it printed (its last step lines) and exit, no traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, RuntimeError, ValueError):  # interrupted mid-write: lost
+            stream.flush()
+    os._exit(INTERRUPTED)
+
+
 def _spawned_worker(
     local_rank: int, nproc: int, port: int, device_name: str, errors, fn: Callable, args: tuple
 ) -> None:
     # Ctrl-C on a terminal reaches every process of its group: the ranks leave quietly and the parent
     # reports it once. (Also the signal the rank gets when the parent dies, see torch's spawn.)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED))
+    signal.signal(signal.SIGINT, _leave_quietly)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank))  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
