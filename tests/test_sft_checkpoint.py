@@ -195,3 +195,16 @@ def test_resume_with_another_tp_stops_before_any_process_starts(full, tmp_path, 
     )
     assert code == 2 and err.count("\n") == 1
     assert "was written with tp=1; resume with --tp 1" in err
+
+
+def test_resume_with_more_micro_batches_per_step_continues_the_data_where_it_stopped(full, tmp_path, capsys):
+    out = _interrupted(full, tmp_path / "run")  # 4 micro-batches consumed, one per step
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5", "--micro-batches", "2")
+    assert code == 2 and "micro_batches (1 -> 2)" in err
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5", "--micro-batches", "2",
+                        "--override", "micro_batches")  # fmt: skip
+    assert code == 0, err
+    # step 5 takes micro-batches 4 and 5: the uninterrupted run's steps 5 and 6, one each
+    step5 = _rows(out)[4]
+    assert step5["step"] == 5
+    assert step5["n_tokens"] == _rows(full)[4]["n_tokens"] + _rows(full)[5]["n_tokens"]
