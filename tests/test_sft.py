@@ -195,7 +195,7 @@ def test_config_yaml_values_are_coerced_to_their_field_types(tmp_path):
     # YAML 1.1 reads 1e-3 as a string (no dot) and keeps quoted "false" a string: both are unambiguous
     path = tmp_path / "run.yaml"
     path.write_text('lr: 1e-3\nweight_decay: 1e-2\nsteps: "5"\ngrad_clip: 1\nshuffle: "false"\n'
-                    'truncate: "Yes"\nchunk_size: "64"\noverride: [lr, tokens-per-batch]\n')  # fmt: skip
+                    'truncate: "Yes"\nchunk_size: "64"\nresume: latest\noverride: [lr, tokens-per-batch]\n')  # fmt: skip
     cfg = SFTConfig.from_yaml(path)
     assert (cfg.lr, cfg.weight_decay, cfg.steps, cfg.grad_clip) == (1e-3, 1e-2, 5, 1.0)
     assert type(cfg.lr) is float and type(cfg.steps) is int and type(cfg.grad_clip) is float
@@ -216,6 +216,7 @@ def test_config_yaml_values_are_coerced_to_their_field_types(tmp_path):
         ("lr: .nan", "lr must be a finite number >= 0, got nan"),
         ("data: 7", "data must be a string, got 7 (int)"),
         ("override: [learning_rate]", "override names ['learning_rate'] are not run settings"),
+        ("override: lr", "override ['lr'] applies to a resumed run only (--resume)"),
     ],
 )
 def test_config_yaml_value_of_the_wrong_type_names_the_field(tmp_path, capsys, line, message):

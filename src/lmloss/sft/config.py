@@ -108,6 +108,8 @@ class SFTConfig:
             raise ConfigError(
                 f"override names {unknown} are not run settings; known: {', '.join(RUN_FIELDS)}"
             )
+        if self.override and self.resume is None:
+            raise ConfigError(f"override {list(self.override)} applies to a resumed run only (--resume)")
         if self.overwrite and self.resume is not None:
             raise ConfigError("--overwrite clears --out, --resume continues from it: pass one of them")
         if self.micro_batches is not None and (self.micro_batches < 1 or self.micro_batches % self.dp):
