@@ -150,9 +150,13 @@ def interrupted_message(cfg: SFTConfig | None) -> str:
     saved = [p for p in step_dirs(out / "checkpoints") if (p / MANIFEST).is_file()]
     where = f" after step {last}" if last is not None else ""
     if saved:
-        instead = " in place of --overwrite" if cfg.overwrite else ""
-        hint = (f"{saved[0]} is the newest checkpoint: to continue, rerun the same command with "
-                f"--resume latest{instead}")  # fmt: skip
+        if cfg.resume == "latest":
+            how = "rerun the same command"
+        else:
+            how = "rerun the same command with --resume latest" + (
+                " in place of --overwrite" if cfg.overwrite else " in place of --resume" if cfg.resume else ""
+            )
+        hint = f"{saved[0]} is the newest checkpoint: to continue, {how}"
     else:
         hint = "no checkpoint was saved (--save-every N saves them); rerun with --overwrite to start over"
     return f"lmloss sft: interrupted{where}; {hint}"
