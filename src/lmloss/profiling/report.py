@@ -215,16 +215,16 @@ def format_summary(summary: MemorySummary, top: int = 10) -> str:
         f"  top allocations{at_least} alive at the peak ({len(summary.allocations)} listed, "
         f"{listed / MiB:,.1f} MiB):"
     )
+    for a in summary.allocations[:top]:
+        what = "" if a.shape is None else f"{a.dtype} {list(a.shape)}  "
+        lines.append(f"    {a.nbytes / MiB:10,.1f} MiB  {what}{a.site}")
     unlisted = summary.peak_bytes - listed
     if summary.kind == "cpu-report" and summary.min_bytes and unlisted > 0:
         # Say why the list falls short of the peak (it can be empty), and how to list everything.
         lines.append(
-            f"    ({unlisted / MiB:,.1f} MiB of the peak is in tensors under {_size(summary.min_bytes)}, counted "
-            "but not listed: MemoryProfilerConfig(min_bytes=0), or memory_profile: {min_bytes: 0}, lists them)"
+            f"    {unlisted / MiB:10,.1f} MiB  in tensors under {_size(summary.min_bytes)}, not listed "
+            "(MemoryProfilerConfig(min_bytes=0), or memory_profile: {min_bytes: 0}, lists them)"
         )
-    for a in summary.allocations[:top]:
-        what = "" if a.shape is None else f"{a.dtype} {list(a.shape)}  "
-        lines.append(f"    {a.nbytes / MiB:10,.1f} MiB  {what}{a.site}")
     lines.append("  by call site:")
     for site, nbytes, count in summary.by_site()[:top]:
         lines.append(f"    {nbytes / MiB:10,.1f} MiB  x{count:<4d} {site}")
