@@ -519,10 +519,12 @@ def test_a_row_whose_spread_passes_the_threshold_is_marked_noisy_with_its_spread
     )  # fmt: skip
     jumpy, steady = by["jumpy"], by["steady"]
     assert jumpy.spread == pytest.approx((14 - 10) / 2 / 10) and jumpy.spread > NOISY_SPREAD
-    assert jumpy.note.startswith("noisy: spread ±20% > ±10%")
+    assert jumpy.note == "noisy: ±20% > ±10%"
     assert steady.spread == pytest.approx(0.5 / 2 / 10) and steady.note == ""
     table = format_table([steady, jumpy])
-    assert "±20%" in table and "±2%" in table and "noisy: spread ±20%" in table
+    assert "±20%" in table and "±2%" in table and table.splitlines()[3].endswith("noisy: ±20% > ±10%")
+    assert table.splitlines()[-1].startswith("noisy: the spread passes ±10%")
+    assert "noisy: the spread" not in format_table([steady])
 
 
 def test_a_long_note_is_printed_in_full_below_the_table():

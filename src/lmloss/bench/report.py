@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lmloss.bench.runner import Result
+from lmloss.bench.runner import NOISY_SPREAD, Result
 
 #: Columns of results.csv, in order (every `Result` field; ``times_ms`` joined with ``;``).
 CSV_COLUMNS = [f.name for f in dataclasses.fields(Result)]
@@ -60,6 +60,12 @@ NUMERIC_COLUMNS = {"tokens", "vocab", "hidden", "time ms", "spread", "peak MiB",
 OPTIONAL_COLUMNS = {"kernel", "GB/s", "time/floor", "wgrad err"}
 
 
+NOISY_LEGEND = (
+    f"noisy: the spread passes ±{100 * NOISY_SPREAD:.0f}%: times closer than the spread were not told apart "
+    "by this run (rerun on a quieter machine, or with more --repeats)"
+)
+
+
 def format_table(rows: list[Result], *, note_width: int = 60) -> str:
     """A fixed-width table, one line per row; a blank line between cases. Columns: docs/bench_and_profiling.md.
 
@@ -106,4 +112,6 @@ def format_table(rows: list[Result], *, note_width: int = 60) -> str:
         text.append(fmt(line))
     if footnotes:
         text += ["", "notes:", *footnotes]
+    if any(r.spread is not None and r.spread > NOISY_SPREAD for r in rows):
+        text += ["", NOISY_LEGEND]
     return "\n".join(text)

@@ -290,11 +290,7 @@ def _timed_rounds(
         row.time_min_ms, row.time_max_ms = min(row.times_ms), max(row.times_ms)
         row.spread = (row.time_max_ms - row.time_min_ms) / 2 / row.time_ms if row.time_ms > 0 else None
         if row.spread is not None and row.spread > NOISY_SPREAD:
-            _append_note(
-                row,
-                f"noisy: spread ±{100 * row.spread:.0f}% > ±{100 * NOISY_SPREAD:.0f}%, too wide to compare "
-                "times closer than that (rerun on a quieter machine or with more --repeats)",
-            )
+            _append_note(row, f"noisy: ±{100 * row.spread:.0f}% > ±{100 * NOISY_SPREAD:.0f}%")
     return total
 
 
