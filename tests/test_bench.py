@@ -40,7 +40,7 @@ def test_cli_runs_end_to_end_and_writes_json_csv_and_plots(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable, "-m", "lmloss.cli", "bench", "--tokens", "64", "--vocab", "512", "--hidden", "32",
-        "--dtype", "float32", "--chunk", "32,none,auto", "--repeats", "1", "--out", str(out),
+        "--dtype", "float32", "--chunk", "32,none,auto", "--repeats", "1", "--warmup", "0", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

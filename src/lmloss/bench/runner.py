@@ -251,11 +251,13 @@ def _timed_rounds(
     """`config.warmup` untimed rounds, then `config.repeats` timed ones; each runs every row once, round k
     starting at row k (mod the rows). A row that raises drops out with its status and note. Returns how
     many runs were made."""
+    if not entries:
+        return 0
     rounds = config.warmup + config.repeats
     total = 0
     versions = {k: t._version for k, t in inputs.leaves.items()}
     for k in range(rounds):
-        order = entries[k % len(entries) :] + entries[: k % len(entries)] if entries else []
+        order = entries[k % len(entries) :] + entries[: k % len(entries)]
         ran = 0
         for entry in order:
             if entry.row.status != "ok":
