@@ -1,7 +1,7 @@
 """``lmloss bench``: time and peak memory of forward+backward, lmloss against naive PyTorch and peers.
 
 Flags left unset take each workload's default for the device, which together make the default sweep.
-On CPU (about two minutes on two cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32
+On CPU (about two minutes on two idle cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32
 and bf16 (naive, chunk 1024, chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab
 fp32 (naive, lmloss fused at ``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor).
 On CUDA: logits [32768, 128256] bf16 and the fused head at 8192 and 16384 tokens x 4096 hidden x 128256
