@@ -1,5 +1,14 @@
 """lmloss: per-token log-probs, entropy and cross-entropy for huge vocabularies, at the lowest peak memory."""
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # Without numpy (the core install has none), torch warns "Failed to initialize NumPy" when imported. lmloss
+    # never uses numpy, so where lmloss is what imports torch first (the `lmloss` command) that one warning is
+    # dropped; nothing changes for a program that imported torch itself. See lmloss.cli.NUMPY_WARNING.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch as _torch  # noqa: F401
+
 from lmloss import cp, distributed, metrics, packing
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs

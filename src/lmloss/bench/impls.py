@@ -558,8 +558,8 @@ def build_impls(
 ) -> list[Impl]:
     """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels`.
 
-    A naive row comes before the rows checked against it. ``"auto"`` chunking belongs to the fused ops
-    only; for the logits workload it is left out.
+    A naive row comes before the rows checked against it. ``"auto"`` is passed on as ``chunk_size="auto"``
+    (every op's default: its own choice of chunk size).
     """
     out: list[Impl] = []
 
@@ -569,8 +569,6 @@ def build_impls(
             kw = {"impl": kernel, **(extra_kwargs or {})}
             reason = _triton_device_reason(kernel, device)
             for c in chunks:
-                if workload == "logits" and c == "auto":
-                    continue
                 step = None if reason else make(c, kw)
                 out.append(
                     Impl(name, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
