@@ -456,7 +456,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether `patch` has been applied to this model instance."""
-    return _STATE_ATTR in model.__dict__
+    return _STATE_ATTR in getattr(model, "__dict__", {})
 
 
 def _score(
