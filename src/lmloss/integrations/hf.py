@@ -52,6 +52,8 @@ _SCALE_FIELDS = (
 )
 # model_type -> field whose value that model multiplies by although the field's usual direction divides.
 _MULTIPLIES_INSTEAD = {"hyperclovax": "logits_scaling", "hyperclovax_vision_v2": "logits_scaling"}
+# model_type -> field its config carries but its transformers forward does not apply (MPT's logit_scale).
+_IGNORED_BY_MODEL = {"mpt": "logit_scale"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,7 @@ def head_transform(model: torch.nn.Module) -> HeadTransform:
     model_type = getattr(config, "model_type", None)
     for field, where, direction in _SCALE_FIELDS:
         value = _config_value(model, field)
-        if value is None or isinstance(value, bool):
+        if value is None or isinstance(value, bool) or _IGNORED_BY_MODEL.get(model_type) == field:
             continue
         value = float(value)
         if not (value > 0 and math.isfinite(value)):
