@@ -1,10 +1,17 @@
 """Hugging Face ``transformers``: compute a causal LM's loss with lmloss's fused head, inside its own forward.
 
 ``patch(model)`` replaces the forward of one ``*ForCausalLM`` instance (a decoder body plus an ``lm_head``:
-Llama, Qwen2, Qwen3, Gemma2, Mistral, ...). With ``labels`` the patched forward runs the body, then
-`lmloss.linear_cross_entropy` on the last hidden states and the head's weight: the loss and every gradient
-are those of unpatched transformers, and no ``[tokens, vocab]`` logits tensor is made (``logits`` is None in
-the output). Without labels the original forward runs and returns logits as before (``generate`` works).
+Llama, Qwen2, Qwen3, Gemma2, Mistral, ...). In training mode with ``labels`` the patched forward runs the
+body, then `lmloss.linear_cross_entropy` on the last hidden states and the head's weight: the loss and
+every gradient are those of unpatched transformers, and no ``[tokens, vocab]`` logits tensor is made
+(``logits`` is None in the output). Without labels, and in eval mode (``Trainer.evaluate`` / ``predict``),
+the original forward runs and returns logits as before (``generate`` and ``compute_metrics`` work).
+
+The patch reproduces only heads it knows: ``lm_head(hidden)`` and the transforms `head_transform` reads
+from the config (softcaps, logit multipliers), checked at patch time by one 8-token forward against the
+unpatched model. Anything else (seq2seq decoders, heads of several layers, unknown transforms) raises a
+``ValueError`` naming the class and the reason; docs/use_in_your_stack.md lists the classes of the
+transformers release tested.
 
 Two things make it work under FSDP2 (``fully_shard``) unchanged:
 
@@ -334,18 +341,18 @@ def _verify(model: torch.nn.Module, state: _PatchState) -> None:
     try:
         with torch.no_grad():
             try:
-                want = _original_forward(model, state)(input_ids=ids, labels=ids, use_cache=False)
-                hidden = _body(model)(input_ids=ids, use_cache=False)[0]
+                # through the module's call, so that its hooks (FSDP2's) fire around the original forward
+                want = call_through(
+                    model, lambda m, **kw: _original_forward(m, state)(**kw), input_ids=ids, labels=ids,
+                    use_cache=False,
+                )  # fmt: skip
             except Exception as err:  # noqa: BLE001 - any failure of the model's own forward
                 raise _refuse(model, f"its forward failed on a check input ({type(err).__name__}: {err}); "
                               "pass verify=False to patch without the check") from err  # fmt: skip
             if getattr(want, "logits", None) is None or getattr(want, "loss", None) is None:
                 raise _refuse(model, "its forward gave no logits or no loss to check against")
-            if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.weight.shape[1]:
-                raise _refuse(model, f"its body's output does not fit its output embedding "
-                              f"{tuple(head.weight.shape)}: the head has more than one layer")  # fmt: skip
-            # the model's own head module on the body's output, through its hooks (FSDP2 gathers the weight)
-            z = call_through(head, lambda m, h: type(m).forward(m, h), hidden).float()
+            # as the root module's forward: FSDP2 gathers the parameters, whichever unit holds the head
+            z, got = call_through(model, _check_outputs, ids, state)
             t = state.transform
             expected = (z if t.softcap is None else t.softcap * torch.tanh(z / t.softcap)) * t.scale
             logits = want.logits.float()
@@ -359,9 +366,6 @@ def _verify(model: torch.nn.Module, state: _PatchState) -> None:
                     f"hidden state (max difference {diff}): its head has more layers than one linear map, or "
                     "its forward transforms the logits in a way lmloss does not know",
                 )
-            targets = lmloss.packing.shift_labels(ids)
-            got = call_through(head, _fused_loss, hidden, targets, num_items_in_batch=None, ignore_index=-100,
-                               transform=t, options=state.options)  # fmt: skip
             if not torch.allclose(got.float(), want.loss.float(), rtol=tol, atol=tol):
                 raise _refuse(
                     model,
@@ -371,6 +375,22 @@ def _verify(model: torch.nn.Module, state: _PatchState) -> None:
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+def _check_outputs(model: torch.nn.Module, ids: torch.Tensor, state: _PatchState):
+    """`_verify`'s side, run as the root module's forward: the head's raw output ``z`` (fp32) on the body's
+    last hidden state, and the fused loss of the shifted `ids`."""
+    head = model.get_output_embeddings()
+    hidden = _body(model)(input_ids=ids, use_cache=False)[0]
+    if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.weight.shape[-1]:
+        raise _refuse(model, f"its body's output does not fit its output embedding "
+                      f"{tuple(head.weight.shape)}: the head has more than one layer")  # fmt: skip
+    z = call_through(head, lambda m, h: type(m).forward(m, h), hidden).float()
+    loss = call_through(
+        head, _fused_loss, hidden, lmloss.packing.shift_labels(ids), num_items_in_batch=None,
+        ignore_index=-100, transform=state.transform, options=state.options,
+    )  # fmt: skip
+    return z, loss
 
 
 def _describe(t: HeadTransform) -> str:
@@ -516,7 +536,7 @@ def token_logprobs(
         labels: int64 ``[B, S]``, the token scored at each position (``ignore_index`` = not scored).
             Default: `input_ids`, with positions where ``attention_mask == 0`` ignored.
         attention_mask: ``[B, S]`` passed to the model (padding).
-        temperature: the logits are divided by it (after the model's softcap, if any).
+        temperature: the model's logits (after its softcap and multipliers, if any) are divided by it.
         return_entropy: also return the entropy of each position's next-token distribution.
         model_kwargs: more keyword arguments for the decoder body (e.g. ``position_ids``).
 
