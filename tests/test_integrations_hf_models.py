@@ -159,3 +159,17 @@ def test_a_vlm_whose_softcap_lives_in_its_text_config_is_patched_with_it():
         got = hf.patch(build(), logits_in_eval=False)(input_ids=ids, labels=ids)
     assert got.logits is None
     torch.testing.assert_close(got.loss, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["CohereForCausalLM", "RecurrentGemmaForCausalLM", "GraniteForCausalLM"])
+def test_token_logprobs_apply_the_models_head_transform_then_the_temperature(name):
+    build = build_tiny(name)
+    reference = build()
+    ids = torch.randint(3, 200, (2, 8), generator=torch.Generator().manual_seed(1))
+    T = 0.7
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits.double()  # transformers' softcapped / scaled logits
+        want = (logits[:, :-1] / T).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        for model in (build(), hf.patch(build())):  # unpatched and patched models alike
+            got = hf.token_logprobs(model, ids, temperature=T)
+            torch.testing.assert_close(got[:, 1:].double(), want, atol=1e-5, rtol=1e-5)
