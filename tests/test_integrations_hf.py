@@ -241,7 +241,11 @@ def test_under_cpu_autocast_the_head_runs_in_the_autocast_dtype_like_nn_linear()
 
 def test_patch_is_idempotent_and_unpatch_restores_the_original_forward():
     model = tiny_model("llama")
+    model.train()
+    model.model.layers[1].eval()  # mixed modes survive the check forward (run in eval mode)
+    modes = [m.training for m in model.modules()]
     assert hf.patch(model) is model and hf.is_patched(model)
+    assert [m.training for m in model.modules()] == modes
     first = model.forward
     hf.patch(model)
     assert model.forward == first
