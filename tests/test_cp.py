@@ -94,6 +94,21 @@ def test_a_sequence_the_layout_cannot_divide_raises_and_names_it(layout, pieces)
         cp.split(torch.zeros(int(cu[-1])), cu, 4, 3, layout=layout)
 
 
+def test_zigzag_refuses_a_length_divisible_by_cp_size_but_not_by_twice_it():
+    """12 positions at cp=4: 4 ranks could take 3 each, but the zigzag needs 8 equal chunks (it would
+    silently keep 8 of the 12 if it checked ``% cp_size``); the contiguous layout takes it."""
+    cu = torch.tensor([0, 8, 20])
+    with pytest.raises(ValueError, match="sequence 1 has length 12, not divisible by 8"):
+        cp.partition_index(cu, 4, 1, "zigzag")
+    parts = [cp.partition_index(cu, 4, r, "contiguous") for r in range(4)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(20))
+
+
+def test_gather_over_a_group_that_is_not_a_process_group_raises_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        cp.gather(torch.zeros(8), torch.tensor([0, 8]), "cp")
+
+
 def test_cp_size_one_is_the_identity_for_any_length():
     cu = torch.tensor([0, 3, 4, 11])
     x = torch.arange(11)

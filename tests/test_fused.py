@@ -501,15 +501,17 @@ def test_summed_loss_upstream_gradient_scales_the_forward_computed_gradients():
     _assert_grads((h, w, b), (h64, w64, b64), what="scaled")
 
 
-def test_summed_loss_second_backward_through_the_same_graph_raises_clearly():
-    """The summed path hands out its forward-computed gradients once; a silent zero would be worse."""
+def test_summed_loss_second_backward_through_the_same_graph_gives_the_same_gradients_again():
+    """The summed path hands out its forward-computed gradients on the first backward; a second one
+    (retain_graph=True, as gradcheck makes) recomputes them: the same values, bit for bit."""
     case = Case("retain", bias=True)
     hidden, weight, bias, labels, _, _ = _problem(case, seed=13)
     h, w, b = _leaves(hidden, weight, bias)
-    loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, reduction="sum")
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="reduction='none'"):
-        loss.backward()
+    loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, reduction="mean")
+    first = torch.autograd.grad(loss * 2.0, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss * 2.0, (h, w, b))
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("op", ["logprobs_entropy", "ce_none", "ce_mean", "ce_sum"])
@@ -677,7 +679,16 @@ def test_float64_fused_ops_are_computed_in_float64_and_pass_gradcheck():
     assert torch.autograd.gradcheck(
         lambda a, b: lmloss.linear_cross_entropy(a, b, labels, reduction="none", **kw), (h, w)
     )
-    # the summed path computes its gradients in the forward (once): compare with float64 autograd instead
+    # gradients made in the forward, a second backward (gradcheck's reentrancy check) recomputes them;
+    # fast mode (random directions) keeps the finite differences cheap
+    for reduction in ("sum", "mean"):
+        assert torch.autograd.gradcheck(
+            lambda a, b, r=reduction: lmloss.linear_cross_entropy(
+                a, b, labels, reduction=r, z_loss=0.01, **kw
+            ),
+            (h, w),
+            fast_mode=True,
+        )
     loss = lmloss.linear_cross_entropy(h, w, labels, label_smoothing=0.1, **kw)
     assert loss.dtype == torch.float64
     (got_h, got_w, got_b) = torch.autograd.grad(loss, (h, w, bias))
@@ -752,6 +763,13 @@ FUSED_ODD_OPTIONS = [
     # (id, kwargs, exception, the argument the message must name); each for both fused ops
     ("ignore_index_none", dict(ignore_index=None), TypeError, "ignore_index"),
     ("ignore_index_float", dict(ignore_index=2.5), TypeError, "ignore_index"),
+    ("ignore_index_past_int64", dict(ignore_index=2**64), ValueError, "ignore_index must fit in int64"),
+    (
+        "tp_group_a_string",
+        dict(tp_group="tp"),
+        TypeError,
+        "tp_group must be a torch.distributed.ProcessGroup",
+    ),
     ("vocab_size_float", dict(vocab_size=10.0), TypeError, "vocab_size"),
     ("vocab_size_bool", dict(vocab_size=True), TypeError, "vocab_size"),
     ("temperature_overflows", dict(temperature=1e-40), ValueError, "temperature"),
@@ -773,6 +791,16 @@ def test_fused_odd_option_values_raise_naming_the_option(fn, case, kw, exc, word
     hidden, weight, labels = _odd_base()
     with pytest.raises(exc, match=word):
         getattr(lmloss, fn)(hidden, weight, labels, **kw)
+
+
+def test_fused_mean_group_a_string_and_a_bad_chunk_budget_raise_naming_them(monkeypatch):
+    hidden, weight, labels = _odd_base()
+    with pytest.raises(TypeError, match="mean_group must be a"):
+        lmloss.linear_cross_entropy(hidden, weight, labels, mean_group="dp")
+    monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "-3")
+    for fn in FUSED_OPS:
+        with pytest.raises(ValueError, match="LMLOSS_CHUNK_BUDGET_MIB must be a positive number"):
+            getattr(lmloss, fn)(hidden, weight, labels, chunk_size="auto")
 
 
 def test_fused_label_smoothing_bool_raises_naming_it():

@@ -137,6 +137,25 @@ def test_custom_ignore_index_inside_the_vocabulary_is_ignored():
     torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
 
 
+@pytest.mark.parametrize("ignore_index", [0, 5])
+def test_mean_cross_entropy_with_an_ignore_index_inside_the_vocabulary_divides_by_the_other_tokens(
+    ignore_index,
+):
+    """``reduction="mean"`` counts the tokens whose label is not `ignore_index`, also when it is a real id."""
+    logits = _leaf(_logits((10, 8)))
+    labels = _labels((10,), 8)
+    labels[[1, 4, 7]] = ignore_index
+    loss = lmloss.cross_entropy(logits, labels, ignore_index=ignore_index, chunk_size=3)
+    loss.backward()
+    x64 = _leaf64(logits)
+    kept = labels != ignore_index
+    picked = torch.log_softmax(x64, dim=-1)[kept].gather(1, labels[kept][:, None])
+    ref = -picked.sum() / kept.sum()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, **FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
+
+
 def test_return_entropy_gives_differentiable_logprobs_and_unmasked_entropy_under_advantage_weights():
     logits = _leaf(_logits((5, 7, 23)))
     labels = _labels((5, 7), 23, ignore_every=4)
@@ -577,9 +596,9 @@ def test_float64_logits_are_computed_in_float64_and_pass_gradcheck():
         lambda a: lmloss.token_logprobs(a, labels, return_entropy=True, **kw), (x,)
     )
     assert torch.autograd.gradcheck(lambda a: lmloss.token_entropy(a, **kw), (x,))
-    for reduction in ("none", "mean"):
+    for reduction in ("none", "sum", "mean"):
         assert torch.autograd.gradcheck(
-            lambda a, r=reduction: lmloss.cross_entropy(a, labels, reduction=r, **kw), (x,)
+            lambda a, r=reduction: lmloss.cross_entropy(a, labels, reduction=r, z_loss=0.01, **kw), (x,)
         )
     logp, ent = lmloss.token_logprobs(x, labels, return_entropy=True, **kw)
     ce = lmloss.cross_entropy(x, labels, label_smoothing=0.1, **kw)
@@ -687,6 +706,36 @@ ODD_OPTIONS = [
     ("softcap_zero", LOGITS_OPS, dict(softcap=0), ValueError, "softcap"),
     ("softcap_negative", LOGITS_OPS, dict(softcap=-1), ValueError, "softcap"),
     ("softcap_bool", LOGITS_OPS, dict(softcap=True), TypeError, "softcap"),
+    (
+        "ignore_index_past_int64",
+        ["token_logprobs", "cross_entropy"],
+        dict(ignore_index=2**64),
+        ValueError,
+        "ignore_index must fit in int64",
+    ),
+    (
+        "ignore_index_below_int64",
+        ["token_logprobs", "cross_entropy"],
+        dict(ignore_index=-(2**63) - 1),
+        ValueError,
+        "ignore_index",
+    ),
+    (
+        "tp_group_a_string",
+        LOGITS_OPS,
+        dict(tp_group="tp"),
+        TypeError,
+        "tp_group must be a torch.distributed.ProcessGroup",
+    ),
+    ("mean_group_a_string", ["cross_entropy"], dict(mean_group="dp"), TypeError, "mean_group must be a"),
+    ("tp_group_not_a_member", LOGITS_OPS, dict(tp_group=-100), ValueError, "not a member of tp_group"),
+    (
+        "inplace_backward_a_string",
+        ["cross_entropy"],
+        dict(inplace_backward="yes"),
+        TypeError,
+        "inplace_backward",
+    ),
     ("chunk_size_zero", LOGITS_OPS, dict(chunk_size=0), ValueError, "chunk_size"),
     ("chunk_size_bool", LOGITS_OPS, dict(chunk_size=True), TypeError, "chunk_size"),
     ("label_smoothing_bool", ["cross_entropy"], dict(label_smoothing=True), TypeError, "label_smoothing"),

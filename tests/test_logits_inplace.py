@@ -1,5 +1,5 @@
 """``cross_entropy(..., inplace_backward=True)``: the gradient is computed in the forward and written over
-the logits (declared to autograd with ``ctx.mark_dirty``).
+the logits (declared to autograd: ``ctx.mark_dirty``, or for a view a bump of its version counter).
 
 The logits come from an op (``h @ W.T``, as an LM head's output would), so the gradient continues to the
 leaves h and W; every comparison is against the same call with ``inplace_backward=False`` (whose own
@@ -149,6 +149,64 @@ def test_misuse_raises_a_clear_value_error():
     assert h.grad is None and w.grad is None
 
 
+#: name -> (leading shape of h, how the loss call takes the lm_head output z, how it takes the labels)
+VIEW_FORMS = {
+    "view_flat": ((3, 4), lambda z: z.view(-1, z.shape[-1]), lambda y: y.view(-1)),
+    "flatten_0_1": ((3, 4), lambda z: z.flatten(0, 1), lambda y: y.flatten(0, 1)),
+    "rows_but_last": ((12,), lambda z: z[:-1], lambda y: y[1:]),  # the causal shift of one sequence
+    "one_sequence_shifted": (
+        (1, 12),
+        lambda z: z[:, :-1].reshape(-1, z.shape[-1]),
+        lambda y: y[:, 1:].reshape(-1),
+    ),
+    "vocab_columns_slice": ((12,), lambda z: z[:, :36], lambda y: y.clamp(max=35)),  # padded head columns
+}
+
+
+# the view handling is the autograd wrapper's, the same for both kernels: Triton (slow under the
+# interpreter) runs the commonest form only
+VIEW_CASES = [(form, "torch") for form in VIEW_FORMS] + [("view_flat", "triton")]
+
+
+@pytest.mark.parametrize(("form", "impl"), VIEW_CASES, ids=[f"{f}-{i}" for f, i in VIEW_CASES])
+def test_inplace_on_a_view_of_the_lm_head_output_equals_out_of_place(form, impl):
+    """``cross_entropy(lm_head(h).view(-1, V), y, inplace_backward=True)`` and other views of a non-leaf:
+    the loss and the gradients of h and W equal the out-of-place call on the same view."""
+    lead, take, take_labels = VIEW_FORMS[form]
+    h, w, labels = _leaves(torch.float32, lead=lead)
+    h2, w2 = _clones(h, w)
+    logits = take(h @ w.T)
+    assert logits._is_view()
+    inplace = lmloss.cross_entropy(
+        logits, take_labels(labels), inplace_backward=True, chunk_size=5, impl=impl
+    )
+    (inplace * 1.5).backward()
+    reference = lmloss.cross_entropy(take(h2 @ w2.T), take_labels(labels), chunk_size=5, impl=impl)
+    (reference * 1.5).backward()
+    torch.testing.assert_close(inplace, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_inplace_on_a_view_still_stops_an_op_that_saved_the_logits():
+    h, w, labels = _leaves(torch.float32, lead=(3, 4))
+    logits = h @ w.T
+    other = (logits**2).sum()
+    loss = lmloss.cross_entropy(logits.view(-1, 40), labels.view(-1), inplace_backward=True, impl="torch")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
+@pytest.mark.parametrize("which", ["logits", "view_base"])
+def test_retain_grad_on_the_logits_is_refused_with_a_clear_value_error(which):
+    h, w, labels = _leaves(torch.float32, lead=(3, 4))
+    z = h @ w.T
+    logits = z if which == "logits" else z.view(-1, 40)
+    z.retain_grad()
+    with pytest.raises(ValueError, match=r"retain_grad\(\)"):
+        lmloss.cross_entropy(logits, labels.view(logits.shape[:-1]), inplace_backward=True)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_without_gradients_the_logits_are_left_unchanged(impl):
     h, w, labels = _leaves(torch.float32)
@@ -180,20 +238,23 @@ PER_TOKEN_SLACK = 64  # bytes per token: lse, per-token losses, masks, coefficie
         (torch.float32, dict(softcap=5.0, label_smoothing=0.1, z_loss=0.01, temperature=0.8), 1),
         (torch.bfloat16, dict(), 1),
         (torch.bfloat16, dict(softcap=5.0, label_smoothing=0.1), 2),  # the softcap slope beside the work
+        (torch.float32, dict(view=True), 1),  # lm_head(h).view(-1, V): the gradient goes back without a copy
     ],
-    ids=["fp32", "fp32_all_options", "bf16", "bf16_softcap"],
+    ids=["fp32", "fp32_all_options", "bf16", "bf16_softcap", "fp32_view"],
 )
 def test_inplace_peak_is_one_chunk_where_out_of_place_holds_a_gradient_buffer(dtype, options, fp32_chunks):
     """Forward + backward of the loss, the logits made before the measured block: in place, the peak above
     them is the fp32 chunk work (``fp32_chunks * C * V * 4``), per-token vectors and the small gradients of
     h and W; out of place it is at least a whole ``[N, V]`` gradient buffer more."""
+    options = dict(options)
+    view = options.pop("view", False)
     h, w, labels = _leaves(dtype, lead=(N,), hidden=H, vocab=V)
     matmul_grads = 2 * (N + V) * H * h.element_size()  # h.grad and W.grad, with room for a temporary
     bound = fp32_chunks * C * V * 4 + PER_TOKEN_SLACK * N + matmul_grads
     peaks = {}
     for inplace in (True, False):
         h_, w_ = _clones(h, w)
-        logits = h_ @ w_.T
+        logits = (h_ @ w_.T).view(-1, V) if view else h_ @ w_.T
         with peak_memory() as mem:
             loss = lmloss.cross_entropy(
                 logits,

@@ -109,3 +109,16 @@ def test_misuse_raises():
             sequence_ids=torch.zeros(2),
             num_sequences=1,
         )
+
+
+def test_a_group_that_is_not_a_process_group_raises_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        StatsTracker(group="dp")
+    t = StatsTracker()
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        t.denominator("n", torch.ones(2, dtype=torch.bool), group="dp")
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed.ProcessGroup"):
+        t.perplexity(
+            "p", torch.ones(2), mask=torch.ones(2, dtype=torch.bool), sequence_ids=torch.zeros(2, dtype=torch.long),
+            num_sequences=1, cp_group="cp",
+        )  # fmt: skip

@@ -1,7 +1,9 @@
 """Argument checks shared by every op: one place for each error message.
 
-Every check here is local (no collective): they all run before the plan's one rank-agreement gather,
-so a bad argument raises on the rank that has it before any rank enters a collective.
+Every check here is local (no collective): they all run before the plan's one rank-agreement gather.
+Under a TP group a failure there is not raised at once: it travels in that gather as an error code and
+every rank raises it (`lmloss.vocab_parallel.errors_raised_on_every_rank`), so no rank waits in a
+collective that another one skipped.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 REDUCTIONS = ("mean", "sum", "none")
 #: 1 / temperature must stay far from fp32 overflow (scaled logits of 1e4 at T = 1e-6 are 1e10).
@@ -81,6 +84,24 @@ def check_softcap(softcap: object) -> None:
 def check_ignore_index(ignore_index: object) -> None:
     if not _is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (labels are int64), got {ignore_index}")
+
+
+def check_group(name: str, group: object) -> None:
+    """`group` must be a `torch.distributed.ProcessGroup` this rank belongs to, or None (one process).
+
+    Raised on this rank alone: without a group there is nothing to agree over.
+    """
+    if group is None:
+        return
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process is not a member of {name} (dist.new_group returned NON_GROUP_MEMBER here)"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        hint = " (for a DeviceMesh, pass mesh.get_group(dim))" if type(group).__name__ == "DeviceMesh" else ""
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {group!r}{hint}")
 
 
 def check_vocab_size(vocab_size: object) -> None:
@@ -118,15 +139,22 @@ def check_z_loss(z_loss: object) -> None:
         raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
 
 
-def label_bounds(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[2]`` int64 on the labels' device: min and max of the non-ignored labels (0, 0 if none).
+def label_stats(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[5]`` int64 on the labels' device: min and max of the labels (ignored ones count as 0), then a
+    fingerprint of the non-ignored ones: their count, their sum and a position-weighted sum
+    ``sum (label + 1) * (position + 1)`` (it moves when labels swap places or the ignore mask moves).
 
-    Gathered with the TP ranks' metadata, so the range check needs no host sync of its own.
+    Gathered with the TP ranks' metadata without a host sync before the collective: the range check and
+    the check that every rank holds the same labels need nothing else. Sums wrap around int64 the same
+    way on every rank.
     """
     if labels.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=labels.device)
-    kept = torch.where(labels != ignore_index, labels, 0)
-    return torch.stack([kept.min(), kept.max()])
+        return torch.zeros(5, dtype=torch.int64, device=labels.device)
+    valid = labels != ignore_index
+    kept = torch.where(valid, labels, 0)
+    position = torch.arange(1, labels.numel() + 1, dtype=torch.int64, device=labels.device)
+    weighted = torch.where(valid, (kept + 1) * position, 0)
+    return torch.stack([kept.min(), kept.max(), valid.sum(), kept.sum(), weighted.sum()])
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from lmloss import _validate
 from lmloss.packing import PackedBatch, as_cu_seqlens, check_cu_seqlens, sequence_ids, token_mask
 from lmloss.vocab_parallel import reduce_scatter_rows
 
@@ -188,6 +189,7 @@ def gather(
     the gradient instead of slicing it.
     """
     _check_layout(layout)
+    _validate.check_group("group", group)
     dim = dim % max(local.dim(), 1)
     total = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")[-1]
     if group is None or dist.get_world_size(group) == 1:

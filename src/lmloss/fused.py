@@ -36,7 +36,14 @@ from lmloss._autograd import once_differentiable
 from lmloss.kernels.torch_ref import ChunkScratch
 from lmloss.logits import reduce_loss
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, reduce_scatter_rows, world_size
+from lmloss.vocab_parallel import (
+    ProcessGroup,
+    all_reduce_sum_,
+    errors_raised_on_every_rank,
+    gather_rows,
+    reduce_scatter_rows,
+    world_size,
+)
 
 #: Working-set budget for ``chunk_size="auto"`` (MiB); override with ``LMLOSS_CHUNK_BUDGET_MIB``. What
 #: counts per chunk: the PyTorch implementation holds two fp32 ``[chunk, V_local]`` tensors at once (the
@@ -46,21 +53,39 @@ DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 64, "cuda": 2048}
 
 
 def auto_chunk_size(
-    n_tokens: int, local_vocab: int, device: torch.device | str = "cpu", bytes_per_logit: int = 8
+    n_tokens: int,
+    local_vocab: int,
+    device: torch.device | str = "cpu",
+    bytes_per_logit: int = 8,
+    *,
+    budget_mib: float | None = None,
 ) -> int:
     """Tokens per chunk so that the chunk's working set (``bytes_per_logit`` per logit) fits the budget.
 
     Budget: ``LMLOSS_CHUNK_BUDGET_MIB`` if set, else `DEFAULT_CHUNK_BUDGET_MIB` for the device type
     (64 MiB on CPU, 2 GiB on CUDA). Rounded down to a multiple of 64 (matmul-friendly) when >= 64.
     """
-    device_type = torch.device(device).type
-    budget_mib = float(
-        os.environ.get("LMLOSS_CHUNK_BUDGET_MIB", DEFAULT_CHUNK_BUDGET_MIB.get(device_type, 96))
-    )
+    budget_mib = chunk_budget_mib(device) if budget_mib is None else budget_mib
     rows = int(budget_mib * 2**20 // (bytes_per_logit * max(local_vocab, 1)))
     if rows >= 64:
         rows -= rows % 64
     return max(1, min(rows, max(n_tokens, 1)))
+
+
+def chunk_budget_mib(device: torch.device | str = "cpu") -> float:
+    """``LMLOSS_CHUNK_BUDGET_MIB`` if set (a positive number), else `DEFAULT_CHUNK_BUDGET_MIB` for the device
+    type. Read before the TP ranks' agreement gather, which carries it: ranks with different budgets would
+    cut different chunks and issue different collectives."""
+    text = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
+    if text is None:
+        return float(DEFAULT_CHUNK_BUDGET_MIB.get(torch.device(device).type, 96))
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = math.nan
+    if not 0 < budget < math.inf:
+        raise ValueError(f"LMLOSS_CHUNK_BUDGET_MIB must be a positive number of MiB, got {text!r}")
+    return budget
 
 
 @functools.lru_cache(maxsize=8)
@@ -218,40 +243,43 @@ class _LinearSoftmaxPerToken(torch.autograd.Function):
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Scalar ``sum`` of per-token losses; gradients computed in the forward pass, scaled in backward.
 
-    The backward scales the saved gradients in place (no second weight-sized buffer), so it can run
-    once per forward: a second backward through the same graph (``retain_graph=True``) raises.
+    The backward scales the saved gradients in place (no second weight-sized buffer). A second backward
+    through the same graph (``retain_graph=True``, ``gradcheck``) finds them spent and recomputes them
+    with the forward's loop (the same collectives on every TP rank).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, plan: LossPlan, opts: dict, grad_enabled: bool):
         # grad mode is always off inside forward(): the caller says whether gradients will be wanted
         needs = tuple(n and grad_enabled for n in ctx.needs_input_grad[:3])
-        scratch = _pass_scratch(plan, hidden)
-        acc = _Accumulators(hidden, weight, bias, needs, scratch=scratch, **opts) if any(needs) else None
-        results = forward_pass(
-            plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, opts["chunk_dtype"]), labels,
-            device=hidden.device,
-            dtype=hidden.dtype, grad_sink=acc,
-        )  # fmt: skip
+        results, acc = _summed_pass(hidden, weight, bias, labels, plan, opts, needs)
         ctx.plan, ctx.opts, ctx.acc = plan, opts, acc
-        ctx.save_for_backward(hidden, weight, bias)
+        ctx.save_for_backward(hidden, weight, bias, labels)
         return results["loss"].sum()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
-        hidden, weight, bias = ctx.saved_tensors
-        if ctx.acc == "used":
-            raise RuntimeError(
-                "lmloss.linear_cross_entropy with reduction='sum'/'mean' computes its gradients in the forward "
-                "and hands them out once; for a second backward through the same graph use reduction='none' "
-                "and reduce the per-token losses yourself"
-            )
+        hidden, weight, bias, labels = ctx.saved_tensors
         acc, ctx.acc = ctx.acc, "used"
+        if acc == "used":
+            _, acc = _summed_pass(hidden, weight, bias, labels, ctx.plan, ctx.opts, ctx.needs_input_grad[:3])
         if acc is None:
             return None, None, None, None, None, None, None
         grads = acc.finish(hidden, weight, bias, ctx.plan.tp_group, grad_total)
         return (*grads, None, None, None, None)
+
+
+def _summed_pass(hidden, weight, bias, labels, plan: LossPlan, opts: dict, needs):
+    """The per-token losses and, for the inputs that `needs` a gradient, the `_Accumulators` holding the
+    gradient of their sum (None if none does)."""
+    scratch = _pass_scratch(plan, hidden)
+    acc = _Accumulators(hidden, weight, bias, needs, scratch=scratch, **opts) if any(needs) else None
+    results = forward_pass(
+        plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, opts["chunk_dtype"]), labels,
+        device=hidden.device, dtype=hidden.dtype, grad_sink=acc,
+    )  # fmt: skip
+    return results, acc
 
 
 class _GatherRows(torch.autograd.Function):
@@ -268,10 +296,14 @@ class _GatherRows(torch.autograd.Function):
         return reduce_scatter_rows(grad.contiguous(), ctx.group), None
 
 
-def _prepare(
-    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group, **options
+def _check_tensors(
+    hidden, weight, labels, bias, sequence_parallel, weight_grad_dtype, tp_group, reduction, mean_group
 ):
-    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    """The fused ops' local checks; returns the int64 labels (or None) and the leading shape the labels
+    must have."""
+    if reduction is not None:
+        _validate.check_reduction(reduction)
+    _validate.check_group("mean_group", mean_group)
     _validate.check_floating("hidden", hidden)
     _validate.check_floating("weight", weight)
     if weight.dim() != 2:
@@ -305,16 +337,39 @@ def _prepare(
     if labels is not None:
         against = "hidden (gathered over tp_group)" if sequence_parallel else "hidden"
         labels = _validate.check_labels(labels, expected, hidden.device, against=against)
+    return labels, expected
+
+
+def _prepare(
+    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
+    reduction=None, mean_group=None, **options,
+):  # fmt: skip
+    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    _validate.check_group("tp_group", tp_group)
+    with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
+        labels, expected = _check_tensors(
+            hidden, weight, labels, bias, sequence_parallel, weight_grad_dtype, tp_group, reduction, mean_group
+        )  # fmt: skip
+        budget = chunk_budget_mib(weight.device) if chunk_size == "auto" else -1.0
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
         per_logit = dtype_bytes if impl == "triton" else 8
-        return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit)
+        return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit, budget_mib=budget)
 
+    grad = torch.is_grad_enabled() and sum(
+        1 << i for i, t in enumerate((hidden, weight, bias)) if t is not None and t.requires_grad
+    )
+    agree = dict(
+        op=1, hidden_width=h_width, sequence_parallel=int(sequence_parallel), grad=int(grad),
+        reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
+        mean_group=-1 if mean_group is None else world_size(mean_group),
+        chunk_budget=budget,
+    )  # fmt: skip
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
-        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel)), **options,
+        tp_group=tp_group, agree=agree, **options,
     )  # fmt: skip
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:
@@ -407,14 +462,12 @@ def linear_cross_entropy(
     ``z_loss``, ``mean_group``). With ``"sum"`` / ``"mean"`` and gradients enabled, the gradients are
     computed during the forward (3 matmuls in all instead of 4) and only scaled by the backward.
     """
-    _validate.check_reduction(reduction)
-    _validate.check_label_smoothing(label_smoothing)
-    _validate.check_z_loss(z_loss)
     flat, flat_labels, plan, opts, shape = _prepare(
         hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
-        outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss,
+        outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
+        mean_group=mean_group,
     )  # fmt: skip
     if reduction == "none":
         (per_token,) = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan, opts)

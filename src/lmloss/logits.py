@@ -14,7 +14,7 @@ import torch
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, errors_raised_on_every_rank
 
 #: Tokens per chunk of the PyTorch implementation under ``chunk_size="auto"``. The Triton kernels hold
 #: nothing chunk-sized (per row they keep 5 numbers), so there "auto" is one chunk.
@@ -92,27 +92,40 @@ class _SoftmaxOverLogits(torch.autograd.Function):
 class _CrossEntropyInPlace(torch.autograd.Function):
     """``sum`` of per-token losses; the gradient is computed in the forward and written over the logits.
 
-    The modification is declared (``ctx.mark_dirty``): another op that saved these logits fails with
-    PyTorch's version-counter error instead of computing with a gradient. The backward only scales the
-    stored gradient by the upstream scalar, once.
+    The backward only scales the stored gradient by the upstream scalar, once. The modification is made
+    known to autograd, so that another op that saved these logits fails with PyTorch's version-counter
+    error instead of computing with a gradient:
+
+    * logits that are not a view are marked dirty (``ctx.mark_dirty``) and returned as a second output;
+      reading them after the call and backpropagating through that raises.
+    * a view (``lm_head(h).view(-1, V)``, ``.flatten(0, 1)``, a slice) cannot be: PyTorch allows a
+      function that modifies a view in place one output only, and would route its gradient through
+      copies of the whole base. There the version counter (shared with the base) is bumped instead and
+      the loss is the only output; the gradient goes back through the view as it is, without a copy.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan):
+    def forward(ctx, logits, labels, plan: LossPlan, is_view: bool):
         flat = logits.view(-1, logits.shape[-1])
         results = forward_pass(
             plan, flat.shape[0], _rows_of(flat), labels, device=logits.device, dtype=logits.dtype,
             grad_sink=_InPlaceSink(),
         )  # fmt: skip
-        ctx.mark_dirty(logits)
-        ctx.save_for_backward(logits)
         ctx.set_materialize_grads(False)
         ctx.used = False
+        if is_view:
+            # Triton's writes do not bump it; the torch kernels' may have: one more bump, then saved, so that
+            # a later in-place change to the logits is caught when the backward unpacks them
+            torch.autograd.graph.increment_version(logits)
+            ctx.save_for_backward(logits)
+            return results["loss"].sum()
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(logits)
         return results["loss"].sum(), logits
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_total, grad_overwritten):
+    def backward(ctx, grad_total, grad_overwritten=None):
         if grad_overwritten is not None:
             raise RuntimeError(
                 "lmloss.cross_entropy(inplace_backward=True) overwrote the logits with their gradient; the "
@@ -126,8 +139,8 @@ class _CrossEntropyInPlace(torch.autograd.Function):
         ctx.used = True
         (grad,) = ctx.saved_tensors
         if grad_total is None:
-            return None, None, None
-        return grad.mul_(grad_total), None, None
+            return None, None, None, None
+        return grad.mul_(grad_total), None, None, None
 
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
@@ -204,7 +217,8 @@ def token_logprobs(
         vocab_size: the true global vocabulary; columns at global index ``>= vocab_size`` are padding
             and take no part in the softmax. Default: all columns over all ranks.
         tp_group: process group the vocabulary is sharded over; None for one process. Each call makes one
-            small all-gather over it to check that the ranks agree (see README, "Parallelism").
+            small all-gather over it to check that the ranks agree; an argument that fails a check on
+            one rank raises the same `RankAgreementError` on every rank (see README, "Parallelism").
         vocab_start: global id of this rank's first column; default ``rank * V_local`` (even shards). Pass it
             on every TP rank (uneven shards) or on none.
         return_entropy: also return the entropy of the tempered softmax over the whole vocabulary,
@@ -215,11 +229,13 @@ def token_logprobs(
         fp32 ``[...]`` log-probs (fp64 for fp64 logits), or ``(logprobs, entropy)``. Each output is the
         same on every TP rank.
     """
-    labels = _check_logits(logits, labels)
+    _validate.check_group("tp_group", tp_group)
+    with errors_raised_on_every_rank(tp_group, vocab_start, logits):
+        labels = _check_logits(logits, labels)
     plan = _plan(
         logits, labels, outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
+        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits),
     )  # fmt: skip
     outs = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
     outs = tuple(o.view(labels.shape) for o in outs)
@@ -240,10 +256,13 @@ def token_entropy(
     """Shannon entropy ``-sum p log p`` of ``p = softmax(softcap(logits) / temperature)`` over the global
     vocabulary. `logits` ``[..., V_local]`` -> fp32 ``[...]``, differentiable. Arguments as in
     `token_logprobs`."""
-    _check_logits(logits, None)
+    _validate.check_group("tp_group", tp_group)
+    with errors_raised_on_every_rank(tp_group, vocab_start, logits):
+        _check_logits(logits, None)
     plan = _plan(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
+        agree=_agree(logits),
     )  # fmt: skip
     (entropy,) = _SoftmaxOverLogits.apply(*_flat(logits, None), plan)
     return entropy.view(logits.shape[:-1])
@@ -286,28 +305,36 @@ def cross_entropy(
             `logits` holds the gradient, not the logits: turn it on only when nothing else reads the
             logits after this call. Another op that saved them for its backward raises PyTorch's
             "modified by an inplace operation" error instead of computing with the gradient. The
-            logits must come from an op (an ``lm_head``), not be a leaf that requires grad, and their
+            logits must come from an op (an ``lm_head``; a view of its output such as ``.view(-1, V)``
+            or ``[:-1]`` works too), not be a leaf that requires grad nor have ``retain_grad()``, and their
             leading dims must flatten as a view. Without gradients it changes nothing; inside
             ``torch.compile`` the op runs out of place (same values and gradients).
         Other arguments as in `token_logprobs`.
     """
-    _validate.check_reduction(reduction)
-    _validate.check_label_smoothing(label_smoothing)
-    _validate.check_z_loss(z_loss)
-    labels = _check_logits(logits, labels)
+    _validate.check_group("tp_group", tp_group)
+    # inside a compiled region the compiler owns the buffers (and dynamo cannot trace a dirty-input
+    # autograd.Function): the op runs out of place there, with the same values and gradients
+    compiling = torch.compiler.is_compiling()
+    with errors_raised_on_every_rank(tp_group, vocab_start, logits):
+        _validate.check_reduction(reduction)
+        _validate.check_group("mean_group", mean_group)
+        if not isinstance(inplace_backward, bool):
+            raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
+        labels = _check_logits(logits, labels)
+        if inplace_backward and reduction == "none":
+            raise ValueError('inplace_backward=True needs reduction="sum" or "mean" (a scalar loss)')
+        inplace = inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not compiling
+        if inplace:
+            _check_inplace(logits)
     plan = _plan(
         logits, labels, outputs=("loss",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, label_smoothing=label_smoothing, z_loss=z_loss,
+        agree=_agree(logits, reduction=reduction, mean_group=mean_group),
     )  # fmt: skip
-    if inplace_backward and reduction == "none":
-        raise ValueError('inplace_backward=True needs reduction="sum" or "mean" (a scalar loss)')
-    # inside a compiled region the compiler owns the buffers (and dynamo cannot trace a dirty-input
-    # autograd.Function): the op runs out of place there, with the same values and gradients
-    compiling = torch.compiler.is_compiling()
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not compiling:
-        _check_inplace(logits)
-        total, _ = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan)
+    if inplace:
+        out = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan, logits._is_view())
+        total = out[0] if isinstance(out, tuple) else out
         return reduce_loss(
             total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group
         )
@@ -318,6 +345,18 @@ def cross_entropy(
     )  # fmt: skip
 
 
+def _agree(
+    logits: torch.Tensor, *, reduction: str | None = None, mean_group: ProcessGroup | None = None
+) -> dict[str, int]:
+    """The logits ops' fields of the TP ranks' agreement vector (`lmloss.vocab_parallel.HOST_FIELDS`)."""
+    return dict(
+        op=0,
+        reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
+        grad=int(torch.is_grad_enabled() and logits.requires_grad),
+        mean_group=-1 if mean_group is None else torch.distributed.get_world_size(mean_group),
+    )
+
+
 def _check_inplace(logits: torch.Tensor) -> None:
     base = logits._base if logits._is_view() else logits
     if base.is_leaf:
@@ -325,6 +364,12 @@ def _check_inplace(logits: torch.Tensor) -> None:
             "inplace_backward=True writes the gradient over the logits, which PyTorch forbids for a leaf "
             "tensor that requires grad (or a view of one): use it on logits an op produced (an lm_head "
             "output), or inplace_backward=False"
+        )
+    if logits.retains_grad or base.retains_grad:
+        raise ValueError(
+            "inplace_backward=True writes the gradient over the logits, and retain_grad() was called on them "
+            "(or on the tensor they are a view of): their .grad would be that same memory. Use "
+            "inplace_backward=False to keep the logits' gradient"
         )
     try:
         logits.view(-1, logits.shape[-1])

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lmloss import _validate
+
 ProcessGroup = dist.ProcessGroup
 
 REDUCES = ("sum", "mean", "max", "min")
@@ -108,6 +110,7 @@ class StatsTracker:
     """
 
     def __init__(self, group: ProcessGroup | None = None) -> None:
+        _validate.check_group("group", group)
         self.group = group
         self._denominators: dict[str, _Denominator] = {}
         self._stats: dict[str, _Stat] = {}
@@ -116,7 +119,10 @@ class StatsTracker:
 
     # -- recording -----------------------------------------------------------------------------------
     def _group(self, group: object) -> ProcessGroup | None:
-        return self.group if group is _DEFAULT else group
+        if group is _DEFAULT:
+            return self.group
+        _validate.check_group("group", group)
+        return group
 
     def _check_new_key(self, key: str, kind: dict) -> None:
         for other in (self._denominators, self._stats, self._scalars, self._sequences):
@@ -248,6 +254,7 @@ class StatsTracker:
         is the DP group (the intersection is the rank itself) and when it is DP x CP. Repeated calls add
         more sequences (micro-batches). NaN when no sequence has a valid token.
         """
+        _validate.check_group("cp_group", cp_group)
         self._check_new_key(key, self._sequences)
         if count_key is not None and key not in self._sequences:
             if count_key == key:

@@ -28,12 +28,16 @@ from lmloss.vocab_parallel import (
     ProcessGroup,
     VocabShard,
     combine_partials,
-    rank_checks_enabled,
+    errors_raised_on_every_rank,
     resolve_shard,
+    will_gather,
     world_size,
 )
 
 OUTPUTS = ("logprobs", "entropy", "loss")
+#: The input dtype as it travels in the rank-agreement vector (fp32 on one rank and fp64 on another would
+#: all-reduce partials of different sizes).
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 ChunkSource = Callable[[int, int], torch.Tensor]
 
 
@@ -103,36 +107,40 @@ def make_plan(
     impl: str,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
-    agree: dict[str, int] | None = None,
+    agree: dict[str, int | float] | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
     `labels` are the flat int64 labels (or None). `auto_chunk(n_tokens, max_V_local, impl)` sizes
     ``chunk_size="auto"`` from values that every TP rank agrees on. Under `tp_group` the ranks' metadata
-    (token count, chunk size, shard, options, and `agree`) is compared in one all-gather before any other
-    collective (`resolve_shard`); labels out of range raise on every rank.
+    (token count, chunk size, shard, dtype, options, a fingerprint of the labels, and `agree`: the op's
+    own fields of `lmloss.vocab_parallel.HOST_FIELDS`) is compared in one all-gather before any other
+    collective (`resolve_shard`). The checks here run before it: a rank whose argument fails one takes
+    the error into that gather and every rank raises it (`errors_raised_on_every_rank`).
     """
-    _validate.check_temperature(temperature)
-    _validate.check_softcap(softcap)
-    _validate.check_ignore_index(ignore_index)
-    _validate.check_vocab_size(vocab_size)
-    _validate.check_vocab_start(vocab_start)
-    _validate.check_chunk_size(chunk_size)
-    impl = resolve_impl(impl, device, dtype)
+    with errors_raised_on_every_rank(tp_group, vocab_start, device):
+        _validate.check_temperature(temperature)
+        _validate.check_softcap(softcap)
+        _validate.check_ignore_index(ignore_index)
+        _validate.check_vocab_size(vocab_size)
+        _validate.check_vocab_start(vocab_start)
+        _validate.check_chunk_size(chunk_size)
+        _validate.check_label_smoothing(label_smoothing)
+        _validate.check_z_loss(z_loss)
+        impl = resolve_impl(impl, device, dtype)
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
         outputs=sum(1 << OUTPUTS.index(k) for k in outputs), temperature=float(temperature),
         softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-        **(agree or {}),
+        dtype=_DTYPE_CODES.get(dtype, 99), **(agree or {}),
     )  # fmt: skip
-    distributed = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
-    bounds = None if labels is None or not distributed else _validate.label_bounds(labels, ignore_index)
+    gathered = will_gather(tp_group, vocab_start)
+    stats = None if labels is None or not gathered else _validate.label_stats(labels, ignore_index)
     shard, max_local = resolve_shard(
         local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device,
-        agree=fields, label_bounds=bounds,
+        agree=fields, label_stats=stats,
     )  # fmt: skip
-    gathered = distributed and (vocab_start is not None or rank_checks_enabled())
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
     if chunk_size == "auto":

@@ -4,10 +4,15 @@ Each TP rank holds columns ``[start, start + size)`` of the global vocabulary; c
 ``>= vocab_size`` are embedding padding and take no part in the softmax. Per chunk of tokens the forward
 needs exactly two collectives over the TP group: a MAX of the row maxima and one SUM of a packed
 ``[tokens, k]`` block of partial sums.
+
+Before those, each call makes one rank-agreement all-gather of a fixed-size int64 vector (`resolve_shard`):
+check locally, agree globally, then raise. An argument check that fails on one rank travels in it as an
+error code (`errors_raised_on_every_rank`) and every rank raises the same `RankAgreementError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import struct
@@ -61,9 +66,92 @@ def combine_partials(partials: torch.Tensor, group: ProcessGroup | None) -> torc
     return torch.cat([big_m[:, None], packed], dim=1)
 
 
-def rank_checks_enabled() -> bool:
-    """The per-call agreement check under a TP group; off only with ``LMLOSS_CHECK_RANKS=0``."""
+class RankAgreementError(ValueError):
+    """Raised on every rank of a TP group when the ranks' arguments disagree, or when one rank's arguments
+    fail a check: every rank raises the same message, naming the rank(s) and the argument."""
+
+
+class RankAgreementTypeError(RankAgreementError, TypeError):
+    """`RankAgreementError` for an argument of the wrong type on some rank (also a `TypeError`)."""
+
+
+#: The agreement vector: one int64 per field, in this order, the same length for every op, dtype and
+#: option (a collective whose size depended on them would abort the job instead of raising). The
+#: `PER_RANK_FIELDS` may differ between ranks; every other field must be equal on every rank. Floats
+#: travel as their float64 bits. The label statistics (`lmloss._validate.label_stats`) come last, from
+#: the device, so that they need no host sync before the collective.
+PER_RANK_FIELDS = ("error", "V_local", "vocab_start", "label_min", "label_max")
+HOST_FIELDS = (
+    "error", "V_local", "vocab_start", "vocab_start_given", "vocab_size", "check_ranks", "op", "outputs",
+    "reduction", "dtype", "grad", "mean_group", "n_tokens", "hidden_width", "sequence_parallel", "chunk_size",
+    "chunk_budget", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
+)  # fmt: skip
+LABEL_FIELDS = ("label_min", "label_max", "labels_count", "labels_sum", "labels_hash")
+FLOAT_FIELDS = frozenset({"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget"})
+#: Bytes of each rank's error message in the second gather (made only when some rank failed a check).
+MESSAGE_BYTES = 512
+#: How a field is shown in a disagreement message (its codes).
+_SHOWN = {
+    "vocab_start_given": "vocab_start passed (1) or not (0)",
+    "vocab_size": "vocab_size (-1: None)",
+    "check_ranks": "LMLOSS_CHECK_RANKS (0: set to 0, 1: anything else)",
+    "op": "the op (0: from logits, 1: fused linear_*)",
+    "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
+    "reduction": "reduction (0: mean, 1: sum, 2: none, -1: a per-token op)",
+    "dtype": "dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",
+    "grad": "whether gradients will be needed (bits: 1 logits / hidden, 2 weight, 4 bias; grad mode and requires_grad)",
+    "mean_group": "mean_group (its size; -1: None)",
+    "chunk_size": "chunk_size (-1: None, -2: 'auto')",
+    "chunk_budget": "LMLOSS_CHUNK_BUDGET_MIB (fused ops with chunk_size='auto'; -1.0 otherwise)",
+    "softcap": "softcap (0.0: None)",
+    "impl": "impl (0: torch, 1: triton)",
+}  # fmt: skip
+
+#: TP groups on which every rank agreed to LMLOSS_CHECK_RANKS=0 (see `rank_checks_enabled`).
+_UNCHECKED_GROUPS: set = set()
+
+
+def rank_checks_enabled(group: ProcessGroup | None = None) -> bool:
+    """Whether calls under `group` make the agreement gather even for even shards.
+
+    Without `group`: this process's ``LMLOSS_CHECK_RANKS`` (anything but ``"0"`` is on). Under a group the
+    variable is itself agreed: every gather carries each rank's value, and only once every rank of the
+    group has sent 0 do later calls under that group skip the gather. So a rank that sets it alone makes
+    the next call raise on every rank instead of skipping a collective the others make; and once off, a
+    group stays off for the life of the process (turning it back on would need the very gather it skips).
+    """
+    if group is not None:
+        return group not in _UNCHECKED_GROUPS
     return os.environ.get("LMLOSS_CHECK_RANKS", "1") != "0"
+
+
+def will_gather(tp_group: ProcessGroup | None, vocab_start: object) -> bool:
+    """Whether a call under `tp_group` makes the agreement gather (`resolve_shard`): with more than one
+    rank, unless the group agreed to turn the checks off and no `vocab_start` needs tiling."""
+    if tp_group is None or dist.get_world_size(tp_group) <= 1:
+        return False
+    return vocab_start is not None or rank_checks_enabled(tp_group)
+
+
+@contextlib.contextmanager
+def errors_raised_on_every_rank(tp_group: ProcessGroup | None, vocab_start: object, like: object):
+    """Check locally, agree globally, then raise.
+
+    Wrap the argument checks an op makes before its agreement gather: a `ValueError` / `TypeError` raised
+    inside is carried into that gather as an error code (`tp_group` must already be checked), its message
+    follows in a second fixed-size gather, and every rank raises the same `RankAgreementError`. Without a
+    gather for this call (one process, or checks agreed off) the error is raised here, as it is.
+    `like`: the op's main tensor (for the collectives' device), or whatever was passed in its place.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if isinstance(error, RankAgreementError) or not will_gather(tp_group, vocab_start):
+            raise
+        device = _collective_device(tp_group, like)
+        ranks = _gather(tp_group, {"error": 2 if isinstance(error, TypeError) else 1}, None, device)
+        _raise_rank_errors(tp_group, ranks, error, device)
+        raise AssertionError("unreachable: _raise_rank_errors raises") from error
 
 
 def resolve_shard(
@@ -74,19 +162,19 @@ def resolve_shard(
     vocab_size: int | None,
     device: torch.device,
     agree: dict[str, int | float] | None = None,
-    label_bounds: torch.Tensor | None = None,
+    label_stats: torch.Tensor | None = None,
 ) -> tuple[VocabShard, int]:
     """This rank's vocabulary shard, checked against every other rank's; returns ``(shard, max V_local)``.
 
-    Under a TP group of more than one rank this makes ONE all-gather of a small int64 vector per call:
-    each rank's `local_size`, `vocab_start` (and whether it was given), `vocab_size`, the values in
-    `agree` (token count, chunk size, options: they must be equal on every rank, or the ranks would
-    issue different collectives and hang) and `label_bounds` (``[2]`` int64 on the device: the min and
-    max non-ignored label, gathered without a host sync before the collective). Any disagreement, or a
-    label outside the vocabulary on any rank, raises the same ValueError on every rank, naming the
-    argument and each rank's value.
-    Turning the check off (``LMLOSS_CHECK_RANKS=0``) skips the gather for even shards; with
-    `vocab_start` the gather still runs, as it is how the shards are tiled.
+    Under a TP group of more than one rank this makes ONE all-gather of a fixed-size int64 vector per call
+    (`HOST_FIELDS` then `LABEL_FIELDS`): each rank's `local_size`, `vocab_start` (and whether it was
+    given), `vocab_size`, the values in `agree` (token count, chunk size, op, dtype, options: they must
+    be equal on every rank, or the ranks would issue different collectives or mix different math) and
+    `label_stats` (``[5]`` int64 on the device, `lmloss._validate.label_stats`). A rank that failed a local
+    check (`errors_raised_on_every_rank`), any disagreement, a label outside the vocabulary or different
+    labels on any rank raise the same `RankAgreementError` on every rank, naming the argument and each
+    rank's value. With the checks agreed off (`rank_checks_enabled`) even shards need no gather: then an
+    uneven shard is caught only where its own width cannot cover `vocab_size`.
     """
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         if vocab_start not in (None, 0):
@@ -98,81 +186,130 @@ def resolve_shard(
             raise ValueError("the vocabulary dimension is empty (0 columns): nothing to take a softmax over")
         return _shard(0, local_size, local_size, vocab_size), local_size
     rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    if vocab_start is None and not rank_checks_enabled():
+    if not will_gather(tp_group, vocab_start):
+        if vocab_size is not None and vocab_size > world * local_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} is more than {world} shards of this rank's V_local={local_size} "
+                f"columns: with LMLOSS_CHECK_RANKS=0 and no vocab_start the shards are taken to be even; "
+                f"uneven shards need vocab_start on every rank"
+            )
         return _shard(rank * local_size, local_size, world * local_size, vocab_size), local_size
-    ranks = _gather_metadata(tp_group, local_size, vocab_start, vocab_size, agree or {}, label_bounds, device)
+    fields = dict(
+        agree or {}, V_local=local_size, vocab_start_given=int(vocab_start is not None),
+        vocab_start=vocab_start or 0, vocab_size=-1 if vocab_size is None else vocab_size,
+        check_ranks=int(rank_checks_enabled()),
+    )  # fmt: skip
+    ranks = _gather(tp_group, fields, label_stats, device)
+    _raise_rank_errors(tp_group, ranks, None, device)
     _check_agreement(ranks)
+    if all(r["check_ranks"] == 0 for r in ranks):
+        _UNCHECKED_GROUPS.add(tp_group)
     sizes = [r["V_local"] for r in ranks]
     if any(n == 0 for n in sizes):
-        raise ValueError(
+        raise RankAgreementError(
             f"a TP rank has 0 vocabulary columns (V_local per rank: {sizes}); every shard needs one"
         )
     if vocab_start is None:
         if len(set(sizes)) > 1:
-            raise ValueError(
+            raise RankAgreementError(
                 f"the vocabulary shards are uneven (V_local per rank: {sizes}): pass vocab_start on every "
                 f"rank, the global id of its first column"
             )
         start, total = rank * local_size, world * local_size
     else:
         start, total = vocab_start, _tile([(r["vocab_start"], r["V_local"]) for r in ranks])
-    shard = _shard(start, local_size, total, vocab_size)
+    shard = _shard(start, local_size, total, vocab_size)  # from agreed values: raises on every rank or none
     bad = {i: (r["label_min"], r["label_max"]) for i, r in enumerate(ranks)}
     bad = {i: b for i, b in bad.items() if b[0] < 0 or b[1] >= shard.vocab_size}
     if bad:
-        raise ValueError(
+        raise RankAgreementError(
             f"labels must be in [0, {shard.vocab_size}) or ignore_index; (min, max) label on the TP ranks "
             f"that have one outside: {bad}"
+        )
+    fingerprints = [tuple(r[k] for k in LABEL_FIELDS) for r in ranks]
+    if len(set(fingerprints)) > 1:
+        raise RankAgreementError(
+            "TP ranks hold different labels (or a different ignore mask): every rank of tp_group must pass "
+            "the same labels. (min, max, count, sum, position hash) of the non-ignored labels per rank: "
+            f"{fingerprints}"
         )
     return shard, max(sizes)
 
 
-_FIXED_FIELDS = ("V_local", "vocab_start_given", "vocab_start", "vocab_size", "label_min", "label_max")
-_PER_RANK_FIELDS = ("V_local", "vocab_start", "label_min", "label_max")
-#: `agree` fields that `lmloss.plan.make_plan` packs as the bits of a float64
+def _collective_device(group: ProcessGroup, like: object) -> torch.device:
+    """Where the agreement vectors live: the op's tensor's device, or (when the argument was not a tensor)
+    CUDA for an NCCL group and the CPU otherwise."""
+    if isinstance(like, torch.Tensor):
+        return like.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _gather_metadata(group, local_size, vocab_start, vocab_size, agree, label_bounds, device) -> list[dict]:
-    """Every rank's metadata, one dict per rank. Floats in `agree` travel as their float64 bits (int64)
-    and come back as floats."""
-    floats = {name for name, v in agree.items() if isinstance(v, float)}
-    encoded = [_float_bits(v) if name in floats else int(v) for name, v in agree.items()]
-    fixed = [local_size, vocab_start is not None, vocab_start or 0, -1 if vocab_size is None else vocab_size]
-    mine = torch.tensor([*fixed, *encoded], dtype=torch.int64, device=device)
-    if label_bounds is None:
-        label_bounds = torch.zeros(2, dtype=torch.int64, device=device)
-    mine = torch.cat([mine[:4], label_bounds.to(device=device, dtype=torch.int64), mine[4:]])
+def _gather(group, fields: dict, label_stats: torch.Tensor | None, device: torch.device) -> list[dict]:
+    """Every rank's agreement vector (`HOST_FIELDS`, `LABEL_FIELDS`), one dict per rank; fields missing
+    from `fields` are 0. Floats travel as their float64 bits and come back as floats."""
+    unknown = set(fields) - set(HOST_FIELDS)
+    assert not unknown, f"not in the agreement vector: {unknown}"
+    host = [
+        _float_bits(fields.get(k, 0.0)) if k in FLOAT_FIELDS else int(fields.get(k, 0)) for k in HOST_FIELDS
+    ]
+    if label_stats is None:
+        label_stats = torch.zeros(len(LABEL_FIELDS), dtype=torch.int64, device=device)
+    mine = torch.cat(
+        [torch.tensor(host, dtype=torch.int64, device=device), label_stats.to(device, torch.int64)]
+    )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    names = (*_FIXED_FIELDS, *agree)
-    ranks = [dict(zip(names, t.tolist())) for t in everyone]
+    ranks = [dict(zip((*HOST_FIELDS, *LABEL_FIELDS), t.tolist())) for t in everyone]
     for r in ranks:
-        r.update({name: struct.unpack("<d", struct.pack("<q", r[name]))[0] for name in floats})
+        r.update({k: struct.unpack("<d", struct.pack("<q", r[k]))[0] for k in FLOAT_FIELDS})
     return ranks
 
 
 def _float_bits(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", v))[0]
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def _raise_rank_errors(group, ranks: list[dict], mine: BaseException | None, device: torch.device) -> None:
+    """If any rank failed a local check, every rank gathers the messages (one more fixed-size all-gather)
+    and raises the same `RankAgreementError` naming the ranks; otherwise nothing."""
+    failed = [i for i, r in enumerate(ranks) if r["error"]]
+    if not failed:
+        return
+    text = b"" if mine is None else str(mine).encode()[:MESSAGE_BYTES]
+    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    buf = buf.to(device)
+    everyone = [torch.empty_like(buf) for _ in ranks]
+    dist.all_gather(everyone, buf, group=group)
+    messages = [bytes(everyone[i].cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for i in failed]
+    if len(set(messages)) == 1:
+        who = (
+            f"TP rank {failed[0]} of {len(ranks)} rejected its"
+            if len(failed) == 1
+            else f"TP ranks {failed} rejected their"
+        )
+        detail = f"{who} arguments: {messages[0]}"
+    else:
+        detail = "TP ranks rejected their arguments: " + "; ".join(
+            f"rank {i}: {m}" for i, m in zip(failed, messages)
+        )
+    kind = RankAgreementTypeError if any(ranks[i]["error"] == 2 for i in failed) else RankAgreementError
+    raise kind(f"{detail} (raised on every rank of tp_group, so that none waits in a collective)")
 
 
 def _check_agreement(ranks: list[dict]) -> None:
-    """Every field but the shard's own extent must be equal on every rank."""
-    for name in ranks[0]:
-        if name in _PER_RANK_FIELDS:
+    """Every field but the per-rank ones (and the labels, checked after the range) must be equal."""
+    for name in HOST_FIELDS:
+        if name in PER_RANK_FIELDS:
             continue
         values = [r[name] for r in ranks]
         if len(set(values)) > 1:
-            shown = {
-                "vocab_start_given": "vocab_start passed (1) or not (0)",
-                "vocab_size": "vocab_size (-1: None)",
-                "chunk_size": "chunk_size (-1: None, -2: 'auto')",
-                "softcap": "softcap (0.0: None)",
-                "impl": "impl (0: torch, 1: triton)",
-                "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
-            }
-            raise ValueError(
-                f"TP ranks disagree on {shown.get(name, name)}: per rank {values}. Every rank of tp_group must "
-                f"call the op with the same value, or they would issue different collectives"
+            raise RankAgreementError(
+                f"TP ranks disagree on {_SHOWN.get(name, name)}: per rank {values}. Every rank of tp_group must "
+                f"call the op with the same value, or they would issue different collectives or compute "
+                f"different results"
             )
 
 

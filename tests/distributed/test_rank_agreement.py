@@ -4,15 +4,22 @@ ONE spawned run of 2 gloo ranks hosts every case (a process-group start costs se
 deadline and the process group a short collective timeout, so a regression that makes the ranks hang
 fails this test within seconds instead of blocking for gloo's default 30 minutes.
 
-disagree  - per op (token_logprobs, cross_entropy, linear_cross_entropy, and the fused / logits op that
-            each case applies to) and per case: the ranks call with different token counts, chunk sizes,
-            uneven shards without vocab_start, vocab_start on one rank only, vocab_size, a 0-column shard,
-            a label out of range on one rank, temperature, ... Every rank catches the exception and returns
-            its type and message; afterwards a plain all_gather must still pair up (ranks in step).
+disagree  - per op (token_logprobs, token_entropy, cross_entropy and the fused ops, as each case applies)
+            and per case: the ranks call with different token counts, chunk sizes, uneven shards without
+            vocab_start, vocab_size, temperature, dtypes, ops, reductions, mean_group, gradients needed
+            (requires_grad / no_grad), LMLOSS_CHECK_RANKS or LMLOSS_CHUNK_BUDGET_MIB on one rank, different
+            labels or ignore masks, ...; or one rank's argument fails a local check (a negative temperature,
+            a labels shape, float labels, a reduction typo, a non-group mean_group, ignore_index past int64,
+            not a tensor, in place on a leaf). Every rank catches the exception and returns it; all must be
+            the same ValueError naming the argument (and the rank), and afterwards a plain all_gather must
+            still pair up (ranks in step).
 uneven    - shards of 20 and 12 columns with vocab_start and chunk_size="auto" (a chunk budget small
             enough that each rank's own shard would give a different chunk): fused and logits ops.
 triton    - impl="triton" (the Triton interpreter, TRITON_INTERPRET=1) at TP=2, even and uneven shards,
             with softcap, temperature and vocab_size padding: values and gradients.
+checks_off - LMLOSS_CHECK_RANKS=0 on both ranks: right values without the gather, the label-range check
+            still raising on each rank, uneven shards raising where the width shows them (the other rank
+            times out on a group with a 2 s timeout).
 The references are float64 plain PyTorch over the unsharded tensors, computed in the test process.
 """
 
@@ -24,6 +31,7 @@ import os
 # when it is first imported, and the spawned ranks import this module (and lmloss) before running a case
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import datetime
 import multiprocessing
 import tempfile
@@ -105,6 +113,31 @@ def _data(seed: int, n: int, v_local: int, h: int = H):
 
 
 def _call(op: str, d: dict, kw: dict):
+    """Call `op` on the data with `kw`; the keys starting with "_" say how: ``_op`` another op on this
+    rank, ``_env`` environment variables set for the call (None: unset), ``_no_grad`` under no_grad."""
+    kw = dict(kw)
+    op = kw.pop("_op", op)
+    env = kw.pop("_env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    grad_mode = torch.no_grad() if kw.pop("_no_grad", False) else contextlib.nullcontext()
+    try:
+        for k, v in env.items():
+            _set_env(k, v)
+        with grad_mode:
+            return _call_op(op, d, kw)
+    finally:
+        for k, v in saved.items():
+            _set_env(k, v)
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _call_op(op: str, d: dict, kw: dict):
     if op == "token_logprobs":
         return lmloss.token_logprobs(d["logits"], d["labels"], **kw)
     if op == "token_entropy":
@@ -128,6 +161,24 @@ def _with_label(d, pos, value):
     d["labels"] = d["labels"].clone()
     d["labels"][pos] = value
     return d
+
+
+def _with(d, **changes):
+    """`d` with some entries replaced by ``fn(old value)``."""
+    return dict(d, **{k: fn(d[k]) for k, fn in changes.items()})
+
+
+def _requiring_grad(d):
+    """Logits that an op made (so in-place is allowed), hidden and weight leaves that require grad."""
+    leaf = d["logits"].clone().requires_grad_()
+    return dict(
+        d, logits=leaf * 1.0, hidden=d["hidden"].requires_grad_(), weight=d["weight"].requires_grad_()
+    )
+
+
+FUSED = ("linear_token_logprobs", "linear_cross_entropy")
+CE = ("cross_entropy", "linear_cross_entropy")
+TENSOR_OPS = ("token_logprobs", "cross_entropy", "linear_cross_entropy")
 
 
 # name -> (ops, rank -> (data, kwargs), words every rank's message must contain)
@@ -217,6 +268,150 @@ DISAGREEMENTS = {
         lambda r: (_data(r, N, 16, h=_per_rank(r, 8, 6)), {}),
         ["hidden_width", "[8, 6]"],
     ),
+    # what changes the collectives' sizes or the math, beyond the shapes
+    "dtype": (
+        ALL,
+        lambda r: (
+            _with(
+                _data(0, N, 16),
+                **{
+                    k: (lambda t, r=r: t.to(_per_rank(r, torch.float32, torch.float64)))
+                    for k in ("logits", "hidden", "weight")
+                },
+            ),
+            {},
+        ),
+        ["dtype", "[2, 3]"],
+    ),
+    "op": (
+        ("cross_entropy",),
+        lambda r: (_data(0, N, 16), dict(_op=_per_rank(r, "cross_entropy", "linear_cross_entropy"))),
+        ["the op", "[0, 1]"],
+    ),
+    "reduction": (
+        CE,
+        lambda r: (_data(0, N, 16), dict(reduction=_per_rank(r, "sum", "mean"))),
+        ["reduction", "[1, 0]"],
+    ),
+    "mean_group_on_one_rank": (
+        CE,
+        lambda r: (_data(0, N, 16), dict(mean_group=_per_rank(r, "<group>", None))),
+        ["mean_group", "[2, -1]"],
+    ),
+    "requires_grad_on_one_rank": (
+        ALL,
+        lambda r: (_per_rank(r, _requiring_grad, lambda d: d)(_data(0, N, 16)), {}),
+        ["gradients will be needed"],
+    ),
+    "no_grad_on_one_rank": (
+        ALL,
+        lambda r: (_requiring_grad(_data(0, N, 16)), dict(_no_grad=_per_rank(r, False, True))),
+        ["gradients will be needed"],
+    ),
+    "LMLOSS_CHECK_RANKS_on_one_rank": (
+        ALL,
+        lambda r: (_data(0, N, 16), dict(_env={"LMLOSS_CHECK_RANKS": _per_rank(r, None, "0")})),
+        ["LMLOSS_CHECK_RANKS", "[1, 0]"],
+    ),
+    "LMLOSS_CHUNK_BUDGET_MIB_on_one_rank": (
+        FUSED,
+        lambda r: (
+            _data(0, N, 16),
+            dict(chunk_size="auto", _env={"LMLOSS_CHUNK_BUDGET_MIB": _per_rank(r, None, "1")}),
+        ),
+        ["LMLOSS_CHUNK_BUDGET_MIB", "[64.0, 1.0]"],
+    ),
+    "different_labels": (
+        LABELLED + ("linear_token_logprobs",),
+        lambda r: (_data(r, N, 16), {}),
+        ["different labels", "per rank"],
+    ),
+    "ignore_mask_on_one_rank": (
+        LABELLED,
+        lambda r: (_with_label(_data(0, N, 16), 3, _per_rank(r, 5, -100)), {}),
+        ["different labels"],
+    ),
+    # a check that fails on one rank only: every rank raises it, naming that rank
+    "negative_temperature_on_one_rank": (
+        ALL,
+        lambda r: (_data(0, N, 16), dict(temperature=_per_rank(r, 1.0, -1.0))),
+        ["TP rank 1 of 2", "temperature must be finite"],
+    ),
+    "labels_shape_on_one_rank": (
+        TENSOR_OPS,
+        lambda r: (_with(_data(0, N, 16), labels=lambda y, r=r: _per_rank(r, y, y[:-1])), {}),
+        ["TP rank 1 of 2", "labels shape"],
+    ),
+    "float_labels_on_one_rank": (
+        TENSOR_OPS,
+        lambda r: (_with(_data(0, N, 16), labels=lambda y, r=r: _per_rank(r, y.float(), y)), {}),
+        ["TP rank 0 of 2", "labels must be an integer tensor"],
+    ),
+    "reduction_typo_on_one_rank": (
+        CE,
+        lambda r: (_data(0, N, 16), dict(reduction=_per_rank(r, "mean", "meen"))),
+        ["TP rank 1", "reduction must"],
+    ),
+    "non_group_mean_group_on_one_rank": (
+        CE,
+        lambda r: (_data(0, N, 16), dict(mean_group=_per_rank(r, None, "dp"))),
+        ["TP rank 1", "mean_group must be a torch.distributed.ProcessGroup"],
+    ),
+    "ignore_index_past_int64_on_one_rank": (
+        TENSOR_OPS,
+        lambda r: (_data(0, N, 16), dict(ignore_index=_per_rank(r, -100, 2**64))),
+        ["TP rank 1", "ignore_index must fit in int64"],
+    ),
+    "garbage_LMLOSS_CHUNK_BUDGET_MIB_on_one_rank": (
+        FUSED,
+        lambda r: (
+            _data(0, N, 16),
+            dict(chunk_size="auto", _env={"LMLOSS_CHUNK_BUDGET_MIB": _per_rank(r, None, "lots")}),
+        ),
+        ["TP rank 1", "LMLOSS_CHUNK_BUDGET_MIB must be a positive number"],
+    ),
+    "not_a_tensor_on_one_rank": (
+        TENSOR_OPS,
+        lambda r: (
+            _with(
+                _data(0, N, 16),
+                **{k: (lambda t, r=r: _per_rank(r, t, t.tolist())) for k in ("logits", "hidden")},
+            ),
+            {},
+        ),
+        ["TP rank 1", "must be a torch.Tensor"],
+    ),
+    "vocab_start_not_an_int_on_one_rank": (
+        ALL,
+        lambda r: (_data(0, N, 16), dict(vocab_start=_per_rank(r, 0, "16"))),
+        ["TP rank 1", "vocab_start must be an int"],
+    ),
+    "inplace_on_a_leaf_on_one_rank": (
+        ("cross_entropy",),
+        lambda r: (
+            _with(
+                _requiring_grad(_data(0, N, 16)),
+                logits=lambda x, r=r: _per_rank(r, x, x.detach().requires_grad_()),
+            ),
+            dict(inplace_backward=True),
+        ),
+        ["TP rank 1", "leaf"],
+    ),
+    "each_rank_fails_another_check": (
+        TENSOR_OPS,
+        lambda r: (
+            _with(_data(0, N, 16), labels=lambda y, r=r: _per_rank(r, y, y[:-1])),
+            dict(temperature=_per_rank(r, -1.0, 1.0)),
+        ),
+        ["rank 0: temperature must be finite", "rank 1: labels shape"],
+    ),
+}
+#: cases whose agreed error is also a TypeError (a rank's argument had the wrong type)
+TYPE_ERRORS = {
+    "float_labels_on_one_rank",
+    "non_group_mean_group_on_one_rank",
+    "not_a_tensor_on_one_rank",
+    "vocab_start_not_an_int_on_one_rank",
 }
 
 
@@ -235,11 +430,18 @@ def _disagreements(rank: int, group) -> dict:
         for op in ops:
             tag += 1
             data, kw = make(rank)
+            if kw.get("mean_group") == "<group>":
+                kw = dict(kw, mean_group=group)
             try:
                 _call(op, data, dict(kw, tp_group=group))
                 error = None
             except Exception as e:  # noqa: BLE001 - every rank reports what it raised, whatever it is
-                error = (type(e).__name__, str(e))
+                error = dict(
+                    kind=type(e).__name__,
+                    message=str(e),
+                    value_error=isinstance(e, ValueError),
+                    type_error=isinstance(e, TypeError),
+                )
             out[case, op] = dict(error=error, in_step=_in_step(rank, tag))
     return out
 
@@ -335,9 +537,54 @@ def _positive(rank: int, group) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# LMLOSS_CHECK_RANKS=0 on every rank: what is still checked without a collective
+
+UNCHECKED_TIMEOUT = datetime.timedelta(seconds=2)  # the one case below that must wait for it
+
+
+def _checks_off(rank: int) -> dict:
+    """With LMLOSS_CHECK_RANKS=0 on both ranks, on groups of their own: the state is per group, and the
+    last case leaves its group broken (that one has a short timeout, so the waiting rank gives up soon)."""
+    os.environ["LMLOSS_CHECK_RANKS"] = "0"
+    group = dist.new_group(list(range(WORLD)), timeout=COLLECTIVE_TIMEOUT)
+    short = dist.new_group(list(range(WORLD)), timeout=UNCHECKED_TIMEOUT)
+    g = _global(200)
+    s, e = _shard_span(rank, (16, 16))
+    logits, labels = g["logits"][:, s:e], g["labels"]
+    out = {}
+    # the first call under the group still gathers (and agrees to stop); the second makes no gather
+    out["first"] = lmloss.token_logprobs(logits, labels, tp_group=group)
+    out["second"] = lmloss.token_logprobs(logits, labels, tp_group=group)
+    bad = labels.clone()
+    bad[0] = V + 3  # the same out-of-range label on both ranks: each raises, with no collective
+    out["range"] = _error_of(lambda: lmloss.cross_entropy(logits, bad, tp_group=group))
+    out["range_in_step"] = _in_step(rank, 5000)
+    # uneven shards without vocab_start: only the rank whose width cannot cover vocab_size can tell; the
+    # other enters the first collective and waits for the group's timeout
+    lmloss.token_logprobs(logits, labels, tp_group=short)  # right after the barrier above: agrees to stop
+    s, e = _shard_span(rank, SPLIT)
+    out["uneven"] = _error_of(
+        lambda: lmloss.token_logprobs(g["logits"][:, s:e], labels, tp_group=short, vocab_size=V)
+    )
+    out["uneven_in_step"] = _in_step(rank, 5001)
+    del os.environ["LMLOSS_CHECK_RANKS"]
+    return out
+
+
+def _error_of(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts which
+        return type(e).__name__, str(e)
+    return None
+
+
 def _all_cases(rank: int) -> dict:
     group = dist.new_group(list(range(WORLD)))
-    return dict(disagree=_disagreements(rank, group), positive=_positive(rank, group))
+    return dict(
+        disagree=_disagreements(rank, group), positive=_positive(rank, group), checks_off=_checks_off(rank)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,10 +600,10 @@ def test_disagreeing_ranks_all_raise_the_same_value_error_naming_the_argument(ra
     errors = [ranks[r]["disagree"][case, op]["error"] for r in range(WORLD)]
     for rank, error in enumerate(errors):
         assert error is not None, f"rank {rank} computed instead of raising"
-        kind, message = error
-        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert error["value_error"], f"rank {rank}: {error['kind']}: {error['message']}"
+        assert error["type_error"] == (case in TYPE_ERRORS), f"rank {rank}: {error['kind']}"
         for word in words:
-            assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+            assert word in error["message"], f"rank {rank}: {word!r} not in {error['message']!r}"
     assert errors[0] == errors[1], "the ranks raised different errors"
     assert all(ranks[r]["disagree"][case, op]["in_step"] for r in range(WORLD)), "ranks out of step"
 
@@ -415,3 +662,29 @@ def test_tp2_shards_match_the_single_process_float64_result(ranks, name, path):
         else:
             torch.testing.assert_close(got["ce_grad"].double(), ref["ce_grads"][0][:, s:e], **TOL)
             torch.testing.assert_close(got["lp_grad"].double(), ref["lp_grads"][0][:, s:e], **TOL)
+
+
+def test_checks_off_on_every_rank_skip_the_gather_after_the_first_call_and_compute_the_same(ranks):
+    g = _global(200)
+    valid = g["labels"] != -100
+    logp_all = torch.log_softmax(g["logits"].double(), dim=-1)
+    ref = torch.where(valid, logp_all.gather(1, torch.where(valid, g["labels"], 0)[:, None])[:, 0], 0.0)
+    for rank in range(WORLD):
+        for call in ("first", "second"):
+            torch.testing.assert_close(ranks[rank]["checks_off"][call].double(), ref, **TOL)
+
+
+def test_checks_off_still_check_the_label_range_on_each_rank_without_a_collective(ranks):
+    for rank in range(WORLD):
+        kind, message = ranks[rank]["checks_off"]["range"]
+        # the local check's message (the gathered one lists each rank's (min, max))
+        assert kind == "ValueError" and f"found {V + 3}" in message, message
+        assert ranks[rank]["checks_off"]["range_in_step"]
+
+
+def test_checks_off_uneven_shards_raise_where_the_width_cannot_cover_vocab_size_and_time_out_elsewhere(ranks):
+    kind, message = ranks[1]["checks_off"]["uneven"]  # 2 x 12 columns < vocab_size = 32
+    assert kind == "ValueError" and "vocab_start" in message and "LMLOSS_CHECK_RANKS=0" in message, message
+    kind, message = ranks[0]["checks_off"]["uneven"]  # 2 x 20 >= 32: rank 0 cannot tell, and waits
+    assert "timed out" in message.lower(), (kind, message)
+    assert all(ranks[r]["checks_off"]["uneven_in_step"] for r in range(WORLD))
