@@ -7,7 +7,7 @@ multipliers 0.25 / 4 / 3), so that a transform the patch missed changes the loss
 
 docs/use_in_your_stack.md keeps the list of classes patched and refused; these tests hold the classes to it.
 `make test` runs a representative subset (one class per kind of head); ``LMLOSS_HF_ALL_MODELS=1`` runs
-every class (~1.5 min on a 2-core machine) and also fails on a class the page does not list.
+every class (18 s to 80 s on a shared 2-core VM) and also fails on a class the page does not list.
 """
 
 from __future__ import annotations
