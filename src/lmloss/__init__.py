@@ -14,9 +14,12 @@ from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
 from lmloss.logits import cross_entropy, token_entropy, token_logprobs
 from lmloss.metrics import StatsTracker
+from lmloss.modules import CrossEntropyLoss, LinearCrossEntropyLoss
 from lmloss.packing import PackedBatch, pack, shift_labels
 
 __all__ = [
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
     "PackedBatch",
     "StatsTracker",
     "broadcast_batch",
