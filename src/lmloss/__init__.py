@@ -1,6 +1,7 @@
 """lmloss: per-token log-probs, entropy and cross-entropy for huge vocabularies, at the lowest peak memory."""
 
 from lmloss import cp, distributed, metrics, packing
+from lmloss.distill import distillation_loss, linear_distillation_loss
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
 from lmloss.logits import cross_entropy, token_entropy, token_logprobs
@@ -13,8 +14,10 @@ __all__ = [
     "broadcast_batch",
     "cp",
     "cross_entropy",
+    "distillation_loss",
     "distributed",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_token_logprobs",
     "metrics",
     "pack",

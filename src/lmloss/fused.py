@@ -269,9 +269,14 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _prepare(
-    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group, **options
+    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
+    agree=None, bytes_per_logit=None, **options,
 ):
-    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    """Check the tensors, resolve the plan, gather sequence-parallel hidden states.
+
+    `agree`: more values every TP rank must share (see `make_plan`); `bytes_per_logit`: the PyTorch
+    implementation's per-logit working set for ``chunk_size="auto"`` (default 8), for ops holding more.
+    """
     _validate.check_floating("hidden", hidden)
     _validate.check_floating("weight", weight)
     if weight.dim() != 2:
@@ -308,13 +313,13 @@ def _prepare(
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
-        per_logit = dtype_bytes if impl == "triton" else 8
+        per_logit = dtype_bytes if impl == "triton" else (bytes_per_logit or 8)
         return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit)
 
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
-        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel)), **options,
+        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel), **(agree or {})), **options,
     )  # fmt: skip
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:

@@ -27,6 +27,28 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
 whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
+
+**Two distributions** (the student / teacher divergences of `lmloss.distill`). For a student chunk ``xs``
+and a teacher chunk ``xt`` (the same ``[c, V_local]`` columns; the teacher may have another float dtype)
+with their global log-sum-exps ``lse [c, 2]`` (student, teacher; from `softmax_partials` of each, combined),
+write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the valid columns and
+``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
+lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
+
+``divergence_partials(xs, xt, lse, math, beta, *, overwrite) -> [c, 2]`` per-row sums over this shard:
+
+    beta == 0:      0: sum p_t (lt - ls)                 1: 0
+    beta == 1:      0: sum p_s (ls - lt)                 1: 0
+    otherwise:      0: sum p_t (lt - log m)              1: sum p_s (ls - log m)
+
+``divergence_grad_(xs, xt, lse, coef, math, beta, out, *, overwrite) -> out`` writes, from per-row
+``coef [c, 2]`` = (weight ``w``, ``S``: from the global sums, `lmloss.distill.divergence_rows`),
+``out = w * scale * g`` with ``g = p_s - p_t`` (beta 0), ``p_s (ls - lt - S)`` (beta 1),
+``p_s ((1 - beta)(ls - log m) - S)`` (otherwise); padded columns and rows with ``w == 0`` get exactly 0.
+``divergence_partials_then_grad_(xs, xt, lse, math, beta, finish, out, *, overwrite) -> result`` does both,
+calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
+scratch (and `out` may be `xs`); they may be overwritten. Implemented in PyTorch only so far
+(`lmloss.kernels.torch_distill`); a sparse teacher needs only the single-distribution contract above.
 """
 
 from __future__ import annotations
@@ -100,3 +122,12 @@ def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
     from lmloss.kernels.torch_ref import TorchKernels
 
     return TorchKernels(max_rows, cols, device)
+
+
+def make_distill_kernels(impl: str, max_rows: int, cols: int, device: torch.device, *, scratch=None):
+    """The two-distribution kernels for one pass (PyTorch only so far; see the contract above). `scratch`:
+    the single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    from lmloss.kernels.torch_distill import TorchDistillKernels
+    from lmloss.kernels.torch_ref import ChunkScratch
+
+    return TorchDistillKernels(scratch if scratch is not None else ChunkScratch(max_rows, cols, device))
