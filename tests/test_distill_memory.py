@@ -52,8 +52,8 @@ def test_fused_distillation_peak_stays_under_the_scaled_issue_bound_where_naive_
         weight,
     )
     assert fused <= BOUND, f"fused distillation holds {fused / 2**20:.1f} MiB above inputs + grads"
-    # what the design holds (the JSD needs the most): at most four fp32 chunk-sized buffers (the two heads' chunks, two work
-    # buffers) and O(N) per-token vectors
+    # what the design holds (the JSD needs the most): at most four fp32 chunk-sized buffers (the two
+    # heads' chunks, two work buffers) and O(N) per-token vectors
     rows = auto_chunk_size(N, V, "cpu", BYTES_PER_LOGIT["fused"])
     assert fused <= 4 * rows * V * 4 + 64 * N
 
