@@ -109,6 +109,22 @@ def test_distillation_without_labels_averages_over_every_token_of_a_batched_shap
     torch.testing.assert_close(loss, reference(student, teacher, 0.5, 1.0).mean())
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_padded_vocabulary_columns_take_no_part_and_get_zero_gradient(beta):
+    student, teacher, labels = _problem(6)
+    vocab_size = V - 3
+    student[:, vocab_size:], teacher[:, vocab_size:] = 50.0, -50.0  # would dominate if they were counted
+    x = _leaf(student)
+    loss = lmloss.distillation_loss(x, teacher, labels, beta=beta, vocab_size=vocab_size, chunk_size=CHUNK)
+    loss.backward()
+    xr = _leaf(student[:, :vocab_size])
+    expected = _mean_over_valid(reference(xr, teacher[:, :vocab_size], beta, 1.0), labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(x.grad[:, :vocab_size], xr.grad)
+    assert (x.grad[:, vocab_size:] == 0).all()
+
+
 def test_teacher_gets_no_gradient_and_a_teacher_with_masked_columns_is_finite():
     student, teacher, labels = _problem(3)
     teacher[:, :5] = -math.inf  # columns the teacher rules out: p_t = 0 there

@@ -132,6 +132,25 @@ def _sparse_grad_(plan: LossPlan, spec: DistillSpec, x, state, weight, kernels, 
     return out
 
 
+def _dense_chunk(dk, xs, xt, lse, plan: LossPlan, spec: DistillSpec, weight, grad_sink, s, e, overwrite):
+    """Steps 2 and 3 of one chunk (module docstring): the divergence's partial sums, their SUM over the
+    TP group, the per-row loss, and with a sink the student's gradient. `lse` None: one process."""
+
+    def finish(partials):
+        all_reduce_sum_(partials, plan.tp_group)
+        loss, subtract = divergence_rows(partials, spec.beta)
+        return loss, None if weight is None else torch.stack([weight, subtract], dim=1)
+
+    if grad_sink is None:
+        return finish(dk.divergence_partials(xs, xt, lse, plan.math, spec.beta, overwrite=overwrite))[0]
+    out = grad_sink.buffer(s, e, xs)
+    loss = dk.divergence_partials_then_grad_(
+        xs, xt, lse, plan.math, spec.beta, finish, out, overwrite=overwrite
+    )
+    grad_sink.consume(s, e, out)
+    return loss
+
+
 def distill_pass(
     plan: LossPlan,
     spec: DistillSpec,
@@ -159,6 +178,7 @@ def distill_pass(
         plan.impl, rows, plan.shard.size, device, scratch=getattr(kernels, "scratch", None)
     )
     overwrite = getattr(student, "owns_chunks", False)
+    local_softmax = world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
     for s, e in plan.chunks(n):
         valid = None if labels is None else labels[s:e] != plan.ignore_index
         xs = student(s, e)
@@ -174,6 +194,9 @@ def distill_pass(
             if grad_sink is not None:
                 out = grad_sink.buffer(s, e, xs)
                 grad_sink.consume(s, e, _sparse_grad_(plan, spec, xs, state, weight, kernels, out))
+        elif local_softmax:  # one process, no padding: the kernels normalise each row themselves
+            xt = teacher(s, e)
+            loss = _dense_chunk(dk, xs, xt, None, plan, spec, weight, grad_sink, s, e, overwrite)
         else:
             xt = teacher(s, e)
             stats = [
@@ -183,22 +206,7 @@ def distill_pass(
             # both distributions' rows in one combine: one MAX and one SUM over the TP group
             combined = combine_partials(torch.cat(stats).to(losses.dtype), plan.tp_group)
             lse = _lse(combined).view(2, e - s).t().contiguous()  # [c, 2]: student, teacher
-
-            def finish(partials, weight=weight):
-                all_reduce_sum_(partials, plan.tp_group)
-                loss, subtract = divergence_rows(partials, spec.beta)
-                return loss, None if weight is None else torch.stack([weight, subtract], dim=1)
-
-            if grad_sink is None:
-                loss, _ = finish(
-                    dk.divergence_partials(xs, xt, lse, plan.math, spec.beta, overwrite=overwrite)
-                )
-            else:
-                out = grad_sink.buffer(s, e, xs)
-                loss = dk.divergence_partials_then_grad_(
-                    xs, xt, lse, plan.math, spec.beta, finish, out, overwrite=overwrite
-                )
-                grad_sink.consume(s, e, out)
+            loss = _dense_chunk(dk, xs, xt, lse, plan, spec, weight, grad_sink, s, e, overwrite)
         losses[s:e] = loss if valid is None else torch.where(valid, loss, 0.0)
     return losses
 

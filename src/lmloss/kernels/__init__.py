@@ -35,6 +35,9 @@ write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the 
 ``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
 lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
 
+``lse`` may be None for one process whose columns are all valid: the kernel then normalises each row
+itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
+
 ``divergence_partials(xs, xt, lse, math, beta, *, overwrite) -> [c, 2]`` per-row sums over this shard:
 
     beta == 0:      0: sum p_t (lt - ls)                 1: 0

@@ -64,7 +64,8 @@ class TorchDistillKernels:
     def _log_softmax(self, name: str, x, lse_col, math_: ChunkMath, overwrite: bool) -> torch.Tensor:
         """``scale * x - lse`` over the valid columns, floored at the fp32 minimum so that a column of
         probability 0 (a -inf logit) adds exactly 0 to every ``p * (...)`` sum; in `x` when it is the
-        caller's scratch in the compute dtype, else in the buffer `name`."""
+        caller's scratch in the compute dtype, else in the buffer `name`. `lse_col` None: the row's own
+        log-softmax (one process, every column valid), in one fused ATen pass instead of three."""
         acc = compute_dtype(x.dtype)
         xv = x[:, : math_.valid]
         if overwrite and x.dtype == acc:
@@ -73,6 +74,10 @@ class TorchDistillKernels:
             out = _transform_into(
                 self.scratch.get(name, x.shape[0], math_.valid, acc), xv, math_, shift=lse_col
             )
+        if lse_col is None:
+            if not out.is_contiguous():
+                raise ValueError("lse=None needs every column valid (contiguous rows)")
+            torch._log_softmax(out, -1, False, out=out)  # in place: ATen reads each row before writing it
         return out.clamp_(min=_FP32_MIN)
 
     def _terms(self, xs, xt, lse, math_: ChunkMath, beta: float, overwrite: bool):
@@ -82,8 +87,8 @@ class TorchDistillKernels:
         partials = torch.zeros((rows, 2), dtype=acc, device=xs.device)
         if n_valid == 0:
             return partials, None
-        ls = self._log_softmax("ls", xs, lse[:, 0], math_, overwrite)
-        lt = self._log_softmax("lt", xt, lse[:, 1], math_, overwrite)
+        ls = self._log_softmax("ls", xs, None if lse is None else lse[:, 0], math_, overwrite)
+        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], math_, overwrite)
         w = self.scratch.get("y", rows, n_valid, acc)
         if beta == 0.0:  # sum p_t (lt - ls); the gradient is p_s - p_t
             torch.exp(lt, out=w)  # p_t
