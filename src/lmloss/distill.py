@@ -39,7 +39,7 @@ import torch
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
 from lmloss.fused import _Accumulators, _HiddenRows, _pass_scratch, _prepare, auto_chunk_size
-from lmloss.kernels import compute_dtype, make_distill_kernels, resolve_impl
+from lmloss.kernels import compute_dtype, make_distill_kernels
 from lmloss.kernels.torch_ref import ChunkScratch
 from lmloss.logits import _BufferSink, _rows_of, reduce_loss
 from lmloss.plan import LossPlan, make_plan
@@ -178,7 +178,9 @@ def distill_pass(
         plan.impl, rows, plan.shard.size, device, scratch=getattr(kernels, "scratch", None)
     )
     overwrite = getattr(student, "owns_chunks", False)
-    local_softmax = world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
+    local_softmax = (
+        dk.normalises_rows and world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
+    )
     for s, e in plan.chunks(n):
         valid = None if labels is None else labels[s:e] != plan.ignore_index
         xs = student(s, e)
@@ -309,20 +311,6 @@ def _options(*, beta, reduction, teacher_topk, tail):
     return spec, agree
 
 
-def _resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, spec: DistillSpec) -> str:
-    """The dense divergence has PyTorch kernels only so far: ``"auto"`` picks them, ``"triton"`` raises.
-    A sparse teacher uses the single-distribution kernels, so both implementations run it."""
-    resolved = resolve_impl(impl, device, dtype)
-    if resolved == "triton" and not spec.sparse:
-        if impl == "auto":
-            return "torch"
-        raise ValueError(
-            'impl="triton": the dense student/teacher divergence has no Triton kernels yet; use impl="torch" '
-            '(or "auto")'
-        )
-    return resolved
-
-
 def _labels_for_count(labels: torch.Tensor | None, shape, ignore_index: int, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.int64, device=device) if labels is None else labels
 
@@ -409,7 +397,6 @@ def distillation_loss(
             the K ids. Under TP every rank passes all K ids; each handles those in its shard.
         tp_group, vocab_start, vocab_size, chunk_size, impl: as in `lmloss.cross_entropy`;
             ``chunk_size="auto"`` sizes chunks from a memory budget (`lmloss.fused.auto_chunk_size`).
-            The dense divergence runs the PyTorch kernels (``impl="auto"`` picks them on any device).
 
     Returns:
         A scalar (``"mean"`` / ``"sum"``), or per-token losses ``[...]`` (``"none"``); the same on every TP
@@ -442,7 +429,7 @@ def distillation_loss(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
         chunk_size=chunk_size, auto_chunk=auto_chunk, temperature=temperature, softcap=None,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
-        impl=_resolve_impl(impl, device, dtype, spec), agree=agree,
+        impl=impl, agree=agree,
     )  # fmt: skip
     if topk is not None:
         valid = None if flat_labels is None else flat_labels != ignore_index
@@ -628,7 +615,7 @@ def linear_distillation_loss(
         raise ValueError("pass exactly one of (teacher_hidden, teacher_weight) and teacher_topk")
     _validate.check_floating("student_hidden", student_hidden)
     _validate.check_floating("student_weight", student_weight)
-    device, dtype = student_weight.device, student_weight.dtype
+    device = student_weight.device
     if teacher_hidden is not None:
         _validate.check_floating("teacher_weight", teacher_weight)
         agree["teacher_width"] = teacher_weight.shape[-1]
@@ -643,7 +630,7 @@ def linear_distillation_loss(
         student_hidden, student_weight, labels, None, chunk_size=chunk_size, temperature=temperature,
         softcap=None, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
         vocab_start=vocab_start, sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype,
-        impl=_resolve_impl(impl, device, dtype, spec), outputs=("loss",), agree=agree,
+        impl=impl, outputs=("loss",), agree=agree,
         bytes_per_logit=BYTES_PER_LOGIT["fused"],
     )  # fmt: skip
     t_flat = t_weight = None

@@ -35,8 +35,8 @@ write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the 
 ``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
 lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
 
-``lse`` may be None for one process whose columns are all valid: the kernel then normalises each row
-itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
+``lse`` may be None, where ``normalises_rows`` is True, for one process whose columns are all valid:
+the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
 
 ``divergence_partials(xs, xt, lse, math, beta, *, overwrite) -> [c, 2]`` per-row sums over this shard:
 
@@ -50,8 +50,9 @@ itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
 ``p_s ((1 - beta)(ls - log m) - S)`` (otherwise); padded columns and rows with ``w == 0`` get exactly 0.
 ``divergence_partials_then_grad_(xs, xt, lse, math, beta, finish, out, *, overwrite) -> result`` does both,
 calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
-scratch (and `out` may be `xs`); they may be overwritten. Implemented in PyTorch only so far
-(`lmloss.kernels.torch_distill`); a sparse teacher needs only the single-distribution contract above.
+scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`
+and `lmloss.kernels.triton_distill` (``normalises_rows``: whether ``lse=None`` is supported; PyTorch only).
+A sparse teacher needs only the single-distribution contract above.
 """
 
 from __future__ import annotations
@@ -128,8 +129,12 @@ def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
 
 
 def make_distill_kernels(impl: str, max_rows: int, cols: int, device: torch.device, *, scratch=None):
-    """The two-distribution kernels for one pass (PyTorch only so far; see the contract above). `scratch`:
-    the single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    """The two-distribution kernels for one pass (see the contract above). `scratch` (PyTorch): the
+    single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    if impl == "triton":
+        from lmloss.kernels.triton_distill import TritonDistillKernels
+
+        return TritonDistillKernels()
     from lmloss.kernels.torch_distill import TorchDistillKernels
     from lmloss.kernels.torch_ref import ChunkScratch
 

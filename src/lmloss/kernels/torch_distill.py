@@ -34,6 +34,7 @@ class TorchDistillKernels:
     """
 
     name = "torch"
+    normalises_rows = True  # lse=None: each row's own log-softmax (one process)
 
     def __init__(self, scratch: ChunkScratch) -> None:
         self.scratch = scratch
