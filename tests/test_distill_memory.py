@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lmloss
-from lmloss.distill import BYTES_PER_LOGIT
+from lmloss.distill import bytes_per_logit
 from lmloss.fused import auto_chunk_size
 from lmloss.profiling import peak_memory
 
@@ -53,8 +53,8 @@ def test_fused_distillation_peak_stays_under_the_scaled_issue_bound_where_naive_
     )
     assert fused <= BOUND, f"fused distillation holds {fused / 2**20:.1f} MiB above inputs + grads"
     # what the design holds (the JSD needs the most): at most four fp32 chunk-sized buffers (the two
-    # heads' chunks, two work buffers) and O(N) per-token vectors
-    rows = auto_chunk_size(N, V, "cpu", BYTES_PER_LOGIT["fused"])
+    # heads' chunks, written over by their log-softmaxes, and two work buffers) and O(N) per-token vectors
+    rows = auto_chunk_size(N, V, "cpu", bytes_per_logit(torch.float32, 0.5, fused=True))
     assert fused <= 4 * rows * V * 4 + 64 * N
 
     def naive():

@@ -24,9 +24,10 @@ of one. Per chunk of tokens:
 Three collectives per chunk in all. With a sparse teacher (`teacher_topk`) step 2 is replaced by a gather
 of the student's logits at the teacher's ids (each TP rank contributes the ids of its shard) and one SUM.
 
-Peak memory: per chunk, the student's and teacher's chunk plus at most four fp32 chunk-sized work buffers
-(two log-softmaxes, two work terms; the fused path writes the log-softmaxes over its own fp32 chunks), so
-``chunk_size="auto"`` budgets `BYTES_PER_LOGIT` per logit.
+Peak memory (PyTorch kernels): per chunk, three chunk-sized buffers in the compute dtype (the two
+log-softmaxes and one work term; a fourth for the JSD), whether from logits (scratch buffers) or fused (the
+log-softmaxes are written over the two heads' fp32 chunks); ``chunk_size="auto"`` budgets that
+(`bytes_per_logit`).
 """
 
 from __future__ import annotations
@@ -45,11 +46,18 @@ from lmloss.logits import _BufferSink, _rows_of, reduce_loss
 from lmloss.plan import LossPlan, make_plan
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, combine_partials, gather_rows, world_size
 
-#: Per-logit working set of the PyTorch implementation for ``chunk_size="auto"`` (bytes): from logits,
-#: four fp32 work buffers; fused, the two fp32 chunks and two work buffers (bf16 / fp16 add their chunks).
-BYTES_PER_LOGIT = {"logits": 16, "fused": 20}
 #: Teacher top-k probabilities may sum above 1 by this much (an engine's rounding) before it is an error.
 TOPK_MASS_TOLERANCE = 1e-3
+
+
+def bytes_per_logit(dtype: torch.dtype, beta: float, *, fused: bool) -> int:
+    """The PyTorch kernels' per-logit working set, for ``chunk_size="auto"``: three chunk-sized buffers in
+    the compute dtype (four for the JSD), and in the fused path with bf16 / fp16 the two heads' chunks in
+    that dtype as the matmuls write them."""
+    buffers = 4 if 0.0 < beta < 1.0 else 3
+    element = compute_dtype(dtype).itemsize
+    low_precision = fused and dtype not in (torch.float32, torch.float64)
+    return buffers * element + (2 * dtype.itemsize if low_precision else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +431,7 @@ def distillation_loss(
     device, dtype = student_logits.device, student_logits.dtype
 
     def auto_chunk(n_tokens, max_local, impl_):
-        return auto_chunk_size(n_tokens, max_local, device, BYTES_PER_LOGIT["logits"])
+        return auto_chunk_size(n_tokens, max_local, device, bytes_per_logit(dtype, spec.beta, fused=False))
 
     plan = make_plan(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
@@ -631,7 +639,7 @@ def linear_distillation_loss(
         softcap=None, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
         vocab_start=vocab_start, sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype,
         impl=impl, outputs=("loss",), agree=agree,
-        bytes_per_logit=BYTES_PER_LOGIT["fused"],
+        bytes_per_logit=bytes_per_logit(student_weight.dtype, spec.beta, fused=True),
     )  # fmt: skip
     t_flat = t_weight = None
     if teacher_hidden is not None:
