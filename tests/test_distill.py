@@ -9,6 +9,8 @@ over the K ids). Gradients of the reference come from autograd on float64 leaves
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +330,11 @@ def test_linear_distillation_bad_teacher_head_raises_naming_it():
         lmloss.linear_distillation_loss(hidden, weight, t_hidden, None, labels)
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         lmloss.linear_distillation_loss(hidden, weight, t_hidden, t_weight, labels, beta=2.0)
+
+
+def test_docs_distillation_example_runs_as_written(capsys):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "distillation.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    exec(compile(code, "docs/distillation.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("beta=0.0: ") and "top-20 teacher, tail=False: " in printed
