@@ -9,12 +9,13 @@ vocabulary blocks per row (29 columns: one full block and a ragged one).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from test_distill import _leaf, _mean_over_valid, _problem, reference
-from triton_support import kernel_test_device
+from triton_support import compile_for_h100, kernel_test_device
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -98,3 +99,38 @@ def test_triton_fused_distillation_writes_the_gradient_over_its_chunk():
     torch.testing.assert_close(loss.double().cpu(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h.grad.double().cpu(), hr.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.grad.double().cpu(), wr.grad, atol=1e-5, rtol=1e-5)
+
+
+AOT_SCRIPT = """
+from lmloss.kernels import triton_distill as td
+
+def ptx(fn, signature, constexprs, num_warps):
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+               if name.endswith(("_ptr", "_stride")) or name in ("valid", "n_cols")}
+    src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs, aligned)
+    code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return sorted(set(re.findall(r"(?:ld|st)[.]global[.]\\w+", code)))
+
+rows = {"xs_ptr": "*bf16", "xs_stride": "i32", "xt_ptr": "*bf16", "xt_stride": "i32", "lse_ptr": "*fp32"}
+beta = {"log1m_beta": "fp32", "log_beta": "fp32"}
+fwd = {**rows, "out_ptr": "*fp32", "valid": "i32", "scale": "fp32", **beta}
+bwd = {**rows, "coef_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "valid": "i32", "n_cols": "i32",
+       "scale": "fp32", "one_minus_beta": "fp32", **beta}
+json.dump({f"{kind}{mode}": ptx(kernel, sig, dict(MODE=mode, BLOCK_V=4096), 8)
+           for kind, kernel, sig in (("forward", td._divergence_partials_kernel, fwd),
+                                     ("backward", td._divergence_grad_kernel, bwd))
+           for mode in (2,)}, sys.stdout)
+"""
+
+
+@pytest.mark.skipif(
+    os.environ.get("LMLOSS_AOT_COMPILE_TEST") != "1",
+    reason="about 25 s on the shared 2-core machine (a child process compiles for sm_90); "
+    "LMLOSS_AOT_COMPILE_TEST=1 runs it",
+)
+def test_divergence_kernels_compile_for_h100_with_16_byte_memory_access(tmp_path):
+    """Both kernels compile for sm_90 (in the JSD mode, which has every term of the other two), and stream
+    the two bf16 chunks (and the gradient) with 128-bit accesses when the JIT sees aligned pointers."""
+    access = compile_for_h100(AOT_SCRIPT, tmp_path)
+    assert "ld.global.v4" in access["forward2"], access
+    assert "ld.global.v4" in access["backward2"] and "st.global.v4" in access["backward2"], access
