@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from test_distill import _leaf, _mean_over_valid, _problem, reference
+from test_distill import _leaf, _mean_over_valid, _problem, reference, sparse_reference
 from triton_support import compile_for_h100, kernel_test_device
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed")
@@ -99,6 +99,23 @@ def test_triton_fused_distillation_writes_the_gradient_over_its_chunk():
     torch.testing.assert_close(loss.double().cpu(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h.grad.double().cpu(), hr.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w.grad.double().cpu(), wr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_sparse_teacher_with_tail_matches_reference():
+    student, teacher, labels = _problem(14, n=5)
+    logprobs, ids = torch.log_softmax(teacher, -1).topk(3, dim=-1)
+    x = _leaf(student, torch.float32).to(DEVICE)
+    x.retain_grad()
+    loss = lmloss.distillation_loss(
+        x, None, labels.to(DEVICE), teacher_topk=(ids.to(DEVICE), logprobs.float().to(DEVICE)), impl="triton"
+    )
+    loss.backward()
+    xr = _leaf(student)
+    valid = labels != -100
+    expected = sparse_reference(xr[valid], ids[valid], logprobs[valid], True).mean()
+    expected.backward()
+    torch.testing.assert_close(loss.double().cpu(), expected, **TOL)
+    torch.testing.assert_close(x.grad.double().cpu(), xr.grad, **TOL)
 
 
 AOT_SCRIPT = """
