@@ -105,6 +105,20 @@ def test_distillation_none_and_sum_give_per_token_values_and_grads_of_any_upstre
     torch.testing.assert_close(total, ref.sum())
 
 
+def test_bf16_logits_are_computed_in_fp32_and_get_a_bf16_gradient():
+    student, teacher, labels = _problem(7)
+    x = _leaf(student, torch.bfloat16)
+    loss = lmloss.distillation_loss(x, teacher.to(torch.bfloat16), labels, beta=0.5, chunk_size=CHUNK)
+    loss.backward()
+    # the reference sees the same bf16-rounded logits, in float64
+    xr = _leaf(student.to(torch.bfloat16), torch.float64)
+    expected = _mean_over_valid(reference(xr, teacher.to(torch.bfloat16), 0.5, 1.0), labels)
+    expected.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=1e-4, rtol=1e-2)
+
+
 def test_distillation_without_labels_averages_over_every_token_of_a_batched_shape():
     student, teacher, _ = _problem(2, n=12)
     loss = lmloss.distillation_loss(student.view(3, 4, V), teacher.view(3, 4, V), beta=0.5)

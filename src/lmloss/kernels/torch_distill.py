@@ -78,7 +78,10 @@ class TorchDistillKernels:
         if lse_col is None:
             if not out.is_contiguous():
                 raise ValueError("lse=None needs every column valid (contiguous rows)")
-            torch._log_softmax(out, -1, False, out=out)  # in place: ATen reads each row before writing it
+            if out.device.type == "cpu":  # in place: the CPU kernel reads each element before writing it
+                torch._log_softmax(out, -1, False, out=out)
+            else:  # no such promise elsewhere: a transient copy
+                out.copy_(torch.log_softmax(out, -1))
         return out.clamp_(min=_FP32_MIN)
 
     def _terms(self, xs, xt, lse, math_: ChunkMath, beta: float, overwrite: bool):
