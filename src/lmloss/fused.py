@@ -269,9 +269,9 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _prepare(
-    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
-    agree=None, bytes_per_logit=None, **options,
-):
+    hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group, agree=None,
+    bytes_per_logit=None, **options,
+):  # fmt: skip
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states.
 
     `agree`: more values every TP rank must share (see `make_plan`); `bytes_per_logit`: the PyTorch
@@ -319,7 +319,8 @@ def _prepare(
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
-        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel), **(agree or {})), **options,
+        tp_group=tp_group, agree=dict(hidden_width=h_width, sequence_parallel=int(sequence_parallel), **(agree or {})),
+        **options,
     )  # fmt: skip
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:
