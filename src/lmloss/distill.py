@@ -547,9 +547,12 @@ class _LinearDistillSum(torch.autograd.Function):
         return (gh, gw) + (None,) * 9
 
 
-def _check_teacher_head(t_hidden, t_weight, n_student: int, v_local: int, sequence_parallel: bool, tp_group):
+def _check_teacher_head(t_hidden, t_weight, student_hidden, student_weight) -> None:
+    """Local checks (before any collective): the teacher's head covers the student's vocabulary shard and
+    its hidden states the student's tokens (this rank's block of them with sequence parallelism)."""
     _validate.check_floating("teacher_hidden", t_hidden)
     _validate.check_floating("teacher_weight", t_weight)
+    v_local = student_weight.shape[0]
     if t_weight.dim() != 2 or t_weight.shape[0] != v_local:
         raise ValueError(
             f"teacher_weight must be [V_local, H_teacher] with the student's V_local={v_local} (the same "
@@ -564,15 +567,13 @@ def _check_teacher_head(t_hidden, t_weight, n_student: int, v_local: int, sequen
         raise TypeError(
             f"teacher_hidden ({t_hidden.dtype}) and teacher_weight ({t_weight.dtype}) differ in dtype"
         )
-    flat = t_hidden.detach().reshape(-1, t_hidden.shape[-1])
-    if sequence_parallel:
-        flat = gather_rows(flat, tp_group)
-    if flat.shape[0] != n_student:
+    if t_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(
-            f"teacher_hidden has {flat.shape[0]} tokens but student_hidden has {n_student} (gathered over "
-            f"tp_group with sequence_parallel): they must be the same positions"
+            f"teacher_hidden leading shape {tuple(t_hidden.shape[:-1])} does not match student_hidden's "
+            f"{tuple(student_hidden.shape[:-1])}: they must be the same token positions"
         )
-    return flat, t_weight.detach()
+    if t_hidden.device != student_hidden.device or t_weight.device != student_weight.device:
+        raise ValueError("teacher_hidden / teacher_weight must be on the student's devices")
 
 
 def linear_distillation_loss(
@@ -625,7 +626,7 @@ def linear_distillation_loss(
     _validate.check_floating("student_weight", student_weight)
     device = student_weight.device
     if teacher_hidden is not None:
-        _validate.check_floating("teacher_weight", teacher_weight)
+        _check_teacher_head(teacher_hidden, teacher_weight, student_hidden, student_weight)
         agree["teacher_width"] = teacher_weight.shape[-1]
     topk = None
     if teacher_topk is not None:
@@ -643,14 +644,10 @@ def linear_distillation_loss(
     )  # fmt: skip
     t_flat = t_weight = None
     if teacher_hidden is not None:
-        t_flat, t_weight = _check_teacher_head(
-            teacher_hidden,
-            teacher_weight,
-            flat.shape[0],
-            student_weight.shape[0],
-            sequence_parallel,
-            tp_group,
-        )
+        t_flat = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+        if sequence_parallel:  # the same blocks of tokens as the student's, gathered in rank order
+            t_flat = gather_rows(t_flat, tp_group)
+        t_weight = teacher_weight.detach()
     if topk is not None:
         valid = None if flat_labels is None else flat_labels != ignore_index
         _check_topk_values(*topk, valid, plan.shard.vocab_size, tail)
