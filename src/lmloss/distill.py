@@ -12,8 +12,10 @@ the softmaxes of ``student / temperature`` and ``teacher / temperature`` over th
 The teacher is detached: gradients flow to the student only (its logits, or its hidden states and head
 weight). No ``temperature ** 2`` factor is applied (TRL applies none either).
 
-The data's path is the plan and chunking of `lmloss.plan` with two chunk sources (student, teacher) instead
-of one. Per chunk of tokens:
+The data's path is the plan (`lmloss.plan.make_plan`, rank agreement included) and its chunking, with two
+chunk sources (student, teacher) instead of one, walked by `distill_pass`: a loop of its own beside
+`lmloss.plan.forward_pass` (two sources and a second reduction per chunk do not fit that loop's kernel
+calls; the sources, gradient sinks, TP combine and reductions are the shared ones). Per chunk of tokens:
 
 1. the softmax statistics of both distributions (`softmax_partials`, the single-distribution kernels),
    combined over the TP group in ONE MAX and ONE SUM for both (`combine_partials` over the stacked rows);
@@ -21,7 +23,8 @@ of one. Per chunk of tokens:
    `lmloss.kernels`) and ONE SUM over the TP group;
 3. with a gradient sink, the student's gradient from the same elementwise terms (no collective).
 
-Three collectives per chunk in all. With a sparse teacher (`teacher_topk`) step 2 is replaced by a gather
+Three collectives per chunk in all. In one process with no padded columns the PyTorch kernels skip step 1
+(each row's own log-softmax). With a sparse teacher (`teacher_topk`) step 2 is replaced by a gather
 of the student's logits at the teacher's ids (each TP rank contributes the ids of its shard) and one SUM.
 
 Peak memory (PyTorch kernels): per chunk, three chunk-sized buffers in the compute dtype (the two
