@@ -65,3 +65,16 @@ def test_fused_distillation_peak_stays_under_the_scaled_issue_bound_where_naive_
         return per_token[valid].mean()
 
     assert _peak_above_grads(naive, hidden, weight) > 4 * BOUND
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_distillation_from_logits_holds_the_gradient_and_three_or_four_chunk_buffers(beta):
+    g = torch.Generator().manual_seed(1)
+    student = torch.randn(N, V // 4, generator=g).requires_grad_()
+    teacher = torch.randn(N, V // 4, generator=g)
+    chunk = 64
+    with peak_memory(min_bytes=64 * 1024) as mem:
+        lmloss.distillation_loss(student, teacher, beta=beta, chunk_size=chunk).backward()
+    buffers = 4 if beta == 0.5 else 3  # two log-softmaxes and one work term (two for the JSD)
+    above_grad = mem.peak_bytes - student.grad.numel() * 4
+    assert above_grad <= buffers * chunk * (V // 4) * 4 + 64 * N
