@@ -79,7 +79,7 @@ class TorchDistillKernels:
             if not out.is_contiguous():
                 raise ValueError("lse=None needs every column valid (contiguous rows)")
             if out.device.type == "cpu":  # in place: the CPU kernel reads each element before writing it
-                torch._log_softmax(out, -1, False, out=out)
+                torch.log_softmax(out, -1, out=out)
             else:  # no such promise elsewhere: a transient copy
                 out.copy_(torch.log_softmax(out, -1))
         return out.clamp_(min=_FP32_MIN)
