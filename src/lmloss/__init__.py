@@ -10,6 +10,7 @@ with _warnings.catch_warnings():
     import torch as _torch  # noqa: F401
 
 from lmloss import cp, distributed, metrics, packing
+from lmloss.distill import distillation_loss, linear_distillation_loss
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
 from lmloss.logits import cross_entropy, token_entropy, token_logprobs
@@ -25,8 +26,10 @@ __all__ = [
     "broadcast_batch",
     "cp",
     "cross_entropy",
+    "distillation_loss",
     "distributed",
     "linear_cross_entropy",
+    "linear_distillation_loss",
     "linear_token_logprobs",
     "metrics",
     "pack",

@@ -354,9 +354,14 @@ def _check_tensors(
 
 def _prepare(
     hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
-    reduction=None, mean_group=None, **options,
+    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, **options,
 ):  # fmt: skip
-    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    """Check the tensors, resolve the plan, gather sequence-parallel hidden states.
+
+    `agree`: more values every TP rank must share (fields of `lmloss.vocab_parallel.HOST_FIELDS`);
+    `bytes_per_logit`: the PyTorch implementation's per-logit working set for ``chunk_size="auto"``
+    (default 8), for ops holding more.
+    """
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
         labels, expected = _check_tensors(
@@ -366,18 +371,17 @@ def _prepare(
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
-        per_logit = dtype_bytes if impl == "triton" else 8
+        per_logit = dtype_bytes if impl == "triton" else (bytes_per_logit or 8)
         return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit, budget_mib=budget)
 
     grad = torch.is_grad_enabled() and sum(
         1 << i for i, t in enumerate((hidden, weight, bias)) if t is not None and t.requires_grad
     )
-    agree = dict(
-        op=1, hidden_width=h_width, sequence_parallel=int(sequence_parallel), grad=int(grad),
-        reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
-        mean_group=-1 if mean_group is None else world_size(mean_group),
-        chunk_budget=budget,
-    )  # fmt: skip
+    agree = {
+        "op": 1, **(agree or {}), "hidden_width": h_width, "sequence_parallel": int(sequence_parallel),
+        "grad": int(grad), "reduction": -1 if reduction is None else _validate.REDUCTIONS.index(reduction),
+        "mean_group": -1 if mean_group is None else world_size(mean_group), "chunk_budget": budget,
+    }  # fmt: skip
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,

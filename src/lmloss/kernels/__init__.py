@@ -36,6 +36,32 @@ multiplies the per-token upstream, so the gradient comes out already scaled and 
 The backward then multiplies by the upstream scalar with `scale_`, which does nothing over the gradient
 when that upstream is exactly 1.0 (the common ``loss.backward()``), and `scaled_cast` scales and casts in
 one pass.
+
+**Two distributions** (the student / teacher divergences of `lmloss.distill`). For a student chunk ``xs``
+and a teacher chunk ``xt`` (the same ``[c, V_local]`` columns; the teacher may have another float dtype)
+with their global log-sum-exps ``lse [c, 2]`` (student, teacher; from `softmax_partials` of each, combined),
+write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the valid columns and
+``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
+lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
+
+``lse`` may be None, where ``normalises_rows`` is True, for one process whose columns are all valid:
+the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
+
+``divergence_partials(xs, xt, lse, math, beta, *, overwrite) -> [c, 2]`` per-row sums over this shard:
+
+    beta == 0:      0: sum p_t (lt - ls)                 1: 0
+    beta == 1:      0: sum p_s (ls - lt)                 1: 0
+    otherwise:      0: sum p_t (lt - log m)              1: sum p_s (ls - log m)
+
+``divergence_grad_(xs, xt, lse, coef, math, beta, out, *, overwrite) -> out`` writes, from per-row
+``coef [c, 2]`` = (weight ``w``, ``S``: from the global sums, `lmloss.distill.divergence_rows`),
+``out = w * scale * g`` with ``g = p_s - p_t`` (beta 0), ``p_s (ls - lt - S)`` (beta 1),
+``p_s ((1 - beta)(ls - log m) - S)`` (otherwise); padded columns and rows with ``w == 0`` get exactly 0.
+``divergence_partials_then_grad_(xs, xt, lse, math, beta, finish, out, *, overwrite) -> result`` does both,
+calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
+scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`
+and `lmloss.kernels.triton_distill` (``normalises_rows``: whether ``lse=None`` is supported; PyTorch only).
+A sparse teacher needs only the single-distribution contract above.
 """
 
 from __future__ import annotations
@@ -138,3 +164,16 @@ def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
     from lmloss.kernels.torch_ref import TorchKernels
 
     return TorchKernels(max_rows, cols, device)
+
+
+def make_distill_kernels(impl: str, max_rows: int, cols: int, device: torch.device, *, scratch=None):
+    """The two-distribution kernels for one pass (see the contract above). `scratch` (PyTorch): the
+    single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    if impl == "triton":
+        from lmloss.kernels.triton_distill import TritonDistillKernels
+
+        return TritonDistillKernels()
+    from lmloss.kernels.torch_distill import TorchDistillKernels
+    from lmloss.kernels.torch_ref import ChunkScratch
+
+    return TorchDistillKernels(scratch if scratch is not None else ChunkScratch(max_rows, cols, device))
