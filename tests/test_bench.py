@@ -21,7 +21,7 @@ from lmloss.bench.impls import (
     parse_chunk,
 )
 from lmloss.bench.report import CSV_COLUMNS, format_table, load_json, write_csv, write_json
-from lmloss.bench.runner import SweepConfig, run_case, run_sweep
+from lmloss.bench.runner import Result, SweepConfig, run_case, run_sweep
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -30,7 +30,7 @@ def _config(**overrides) -> SweepConfig:
     base = dict(
         workloads=["logits"], tokens={"logits": [256], "fused": [64]}, vocab=[1024], hidden=[32],
         dtypes={"logits": ["float32"], "fused": ["float32"]}, chunks={"logits": [64, None], "fused": ["auto"]},
-        impls={"logits": ["naive", "chunked"], "fused": ["naive", "fused"]}, repeats=1,
+        impls={"logits": ["naive", "chunked"], "fused": ["naive", "fused"]}, repeats=1, warmup=0,
     )  # fmt: skip
     base.update(overrides)
     return SweepConfig(**base)
@@ -40,7 +40,7 @@ def test_cli_runs_end_to_end_and_writes_json_csv_and_plots(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable, "-m", "lmloss.cli", "bench", "--tokens", "64", "--vocab", "512", "--hidden", "32",
-        "--dtype", "float32", "--chunk", "32,none,auto", "--repeats", "1", "--out", str(out),
+        "--dtype", "float32", "--chunk", "32,none,auto", "--repeats", "1", "--warmup", "0", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -55,7 +55,7 @@ def test_cli_runs_end_to_end_and_writes_json_csv_and_plots(tmp_path):
     for tokens in (64,):
         assert ("logits", tokens, "chunked", "32") in labels
         assert ("logits", tokens, "chunked", "none") in labels
-        assert ("logits", tokens, "chunked", "auto") not in labels  # auto is the fused op's alone
+        assert ("logits", tokens, "chunked", "auto") in labels  # the logits ops' default, run like the others
         assert ("fused", tokens, "matmul-floor", "-") in labels
         assert ("fused", tokens, "torch-fused", "-") in labels
     for r in rows:
@@ -255,13 +255,15 @@ def test_without_tqdm_and_matplotlib_progress_is_plain_lines_and_plots_name_the_
         monkeypatch.setitem(sys.modules, name, None)  # import of <name> halted: as if not installed
     out = tmp_path / "bench"
     code = main(["bench", "--workload", "logits", "--impl", "naive,chunked", "--tokens", "32", "--vocab", "64",
-                 "--dtype", "float32", "--chunk", "16", "--repeats", "1", "--out", str(out)])  # fmt: skip
+                 "--dtype", "float32", "--chunk", "16", "--repeats", "1", "--warmup", "1", "--out", str(out)])  # fmt: skip
     assert code == 0
     captured = capsys.readouterr()
     progress = [line for line in captured.err.splitlines() if line.startswith("lmloss bench: ")]
-    assert progress == [
-        "lmloss bench: 1/2 logits float32 T=32 naive",
-        "lmloss bench: 2/2 logits float32 T=32 chunked[16]",
+    assert progress == [  # per row its tracked run, then per round (1 warm-up, 1 timed) the rows' runs
+        "lmloss bench: 1/6 logits float32 T=32 naive",
+        "lmloss bench: 2/6 logits float32 T=32 chunked[16]",
+        "lmloss bench: 4/6 logits float32 T=32 warm-up round 1/1",
+        "lmloss bench: 6/6 logits float32 T=32 timed round 1/1",
     ]
     assert "no plots: matplotlib is not installed (pip install 'lmloss[bench]' gives them)" in captured.out
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json"]
@@ -405,10 +407,12 @@ def test_device_defaults_cpu_as_before_cuda_the_gpu_shapes():
         ["torch"],
     )
     assert cpu.impls["logits"] == ["naive", "chunked", "megatron"]
+    assert (cpu.warmup, cpu.repeats) == (1, 5)
     cuda = config_from_args(parser.parse_args(["bench", "--device", "cuda"]))
     assert cuda.tokens == {"logits": [32768], "fused": [8192, 16384]}
     assert (cuda.vocab, cuda.hidden, cuda.kernels) == ([128256], [4096], ["triton", "torch"])
     assert cuda.dtypes == {"logits": ["bfloat16"], "fused": ["bfloat16"]}
+    assert (cuda.warmup, cuda.repeats) == (2, 10)
     assert "compile" in cuda.impls["logits"] and "cce" in cuda.impls["fused"]
     picked = config_from_args(
         parser.parse_args(["bench", "--device", "cuda", "--impl", "naive,fused", "--kernel", "torch"])
@@ -425,3 +429,157 @@ def test_triton_rows_on_cpu_are_skipped_with_the_reason_and_torch_rows_run(monke
     ]
     assert impls[0].step is None and ("impl=" in impls[0].unavailable or "CUDA" in impls[0].unavailable)
     assert impls[1].step is not None
+
+
+# -- timing: warm-up, interleaved rounds, spread --------------------------------------------------------
+
+
+class _Script:
+    """Steps that take scripted times on a fake clock: ``durations[i]`` ms at the impl's i-th call (call 0
+    is its tracked run). Every call is logged by name, so the order of the runs can be read back."""
+
+    def __init__(self) -> None:
+        self.now, self.log = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def impl(self, name: str, durations, **kw) -> Impl:
+        calls = iter(durations)
+
+        def step(x):
+            self.log.append(name)
+            self.now += next(calls) / 1e3
+            return torch.tensor(1.0)  # no gradients: checked on the loss alone
+
+        return Impl(name, "-", step, **kw)
+
+
+def _scripted_case(monkeypatch, impls_of, **config) -> tuple[_Script, dict]:
+    from lmloss.bench import runner
+
+    script = _Script()
+    monkeypatch.setattr(runner, "_clock", script.clock)
+    rows = run_case(Case("logits", 8, 16, "float32", "cpu"), impls_of(script), _config(**config))
+    return script, {r.label: r for r in rows}
+
+
+def test_timed_rounds_come_after_the_warm_up_rounds_and_interleave_the_rows(monkeypatch):
+    script, by = _scripted_case(
+        monkeypatch,
+        lambda s: [
+            s.impl("a", [0, 50, 11, 12, 13], is_reference=True),
+            s.impl("b", [0, 60, 21, 22, 23]),
+            s.impl("c", [0, 70, 31, 32, 33]),
+        ],
+        warmup=1, repeats=3,
+    )  # fmt: skip
+    assert script.log == [
+        "a", "b", "c",  # tracked runs (memory, check)
+        "a", "b", "c",  # warm-up round: not timed
+        "b", "c", "a",  # timed rounds, each starting one row further on
+        "c", "a", "b",
+        "a", "b", "c",
+    ]  # fmt: skip
+    assert by["a"].times_ms == pytest.approx([11, 12, 13])  # the warm-up run (50 ms) left out
+    assert by["b"].times_ms == pytest.approx([21, 22, 23]) and by["c"].times_ms == pytest.approx([31, 32, 33])
+    assert by["b"].time_ms == pytest.approx(22) and by["b"].time_vs_naive == pytest.approx(22 / 12)
+    assert by["c"].spread == pytest.approx((33 - 31) / 2 / 32) and "noisy" not in by["c"].note
+
+
+def test_with_the_default_warm_up_a_cold_first_run_does_not_count(monkeypatch):
+    import argparse
+
+    from lmloss.bench.cli import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    defaults = config_from_args(parser.parse_args(["bench"]))
+    # The floor is 2x faster than naive once warm, but its first untracked run is cold (6x its warm time).
+    script, by = _scripted_case(
+        monkeypatch,
+        lambda s: [s.impl("naive", [0] + [100] * 20, is_reference=True), s.impl("floor", [0, 300] + [50] * 20)],
+        warmup=defaults.warmup, repeats=defaults.repeats,
+    )  # fmt: skip
+    assert len(by["floor"].times_ms) == defaults.repeats >= 5
+    assert by["floor"].time_ms == pytest.approx(50) and by["floor"].time_vs_naive == pytest.approx(0.5)
+    assert by["floor"].spread == pytest.approx(0) and by["naive"].spread == pytest.approx(0)
+
+
+def test_a_row_whose_spread_passes_the_threshold_is_marked_noisy_with_its_spread(monkeypatch):
+    from lmloss.bench.runner import NOISY_SPREAD
+
+    script, by = _scripted_case(
+        monkeypatch,
+        lambda s: [
+            s.impl("steady", [0, 99, 10, 10.5, 10, 10, 10], is_reference=True),
+            s.impl("jumpy", [0, 99, 10, 14, 10, 10, 10]),
+        ],
+        warmup=1, repeats=5,
+    )  # fmt: skip
+    jumpy, steady = by["jumpy"], by["steady"]
+    assert jumpy.spread == pytest.approx((14 - 10) / 2 / 10) and jumpy.spread > NOISY_SPREAD
+    assert jumpy.note == "noisy: ±20% > ±10%"
+    assert steady.spread == pytest.approx(0.5 / 2 / 10) and steady.note == ""
+    table = format_table([steady, jumpy])
+    assert "±20%" in table and "±2%" in table and table.splitlines()[3].endswith("noisy: ±20% > ±10%")
+    assert table.splitlines()[-1].startswith("noisy: the spread passes ±10%")
+    assert "noisy: the spread" not in format_table([steady])
+
+
+def test_a_long_note_is_printed_in_full_below_the_table():
+    long_note = "peer not importable (ModuleNotFoundError: " + "x" * 120 + ") end of note"
+    rows = [
+        Result("fused", 64, 512, 32, "float32", "cpu", "cce", "-", status="skipped", note=long_note),
+        Result("fused", 64, 512, 32, "float32", "cpu", "liger", "-", status="skipped", note="short"),
+    ]
+    table = format_table(rows, note_width=40)
+    assert long_note in table and "…" not in table
+    lines = table.splitlines()
+    assert lines[2].endswith("see [1]") and lines[3].endswith("short")
+    assert lines[-2:] == ["notes:", f"[1] fused float32 T=64 cce: {long_note}"]
+
+
+def test_logits_chunk_auto_builds_lmloss_rows_at_the_ops_default():
+    impls = build_impls("logits", "cpu", ["chunked", "entropy"], ["auto"])
+    assert [(i.label, i.step is not None) for i in impls] == [
+        ("chunked[auto]", True),
+        ("entropy[auto]", True),
+    ]
+
+
+def test_out_twice_replaces_the_earlier_runs_results_and_plots_and_keeps_other_files(tmp_path, capsys):
+    from lmloss.cli import main
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["bench", "--workload", "logits", "--impl", "naive", "--tokens", "32", "--vocab", "64", "--repeats",
+            "1", "--warmup", "0", "--no-progress", "--out", str(out), "--dtype"]  # fmt: skip
+    assert main([*argv, "float32"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logits_float32_V64.png", "notes.txt", "results.csv", "results.json",
+    ]  # fmt: skip
+    capsys.readouterr()
+    assert main([*argv, "bfloat16"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logits_bfloat16_V64.png", "notes.txt", "results.csv", "results.json",
+    ]  # fmt: skip
+    assert [r.dtype for r in load_json(out / "results.json")[1]] == ["bfloat16"]
+    assert f"removed an earlier run's logits_float32_V64.png from {out}" in capsys.readouterr().out
+
+
+def test_impl_help_names_the_cpu_default_impls():
+    import argparse
+
+    from lmloss.bench.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    bench = parser._subparsers._group_actions[0].choices["bench"]
+    (impl,) = [a for a in bench._actions if a.dest == "impl"]
+    assert "README" not in impl.help
+    assert impl.help.endswith(
+        "(default: CPU logits naive,chunked,megatron; fused naive,fused,torch-fused,cce,liger,matmul-floor; "
+        "CUDA all)"
+    )

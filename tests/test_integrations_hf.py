@@ -119,11 +119,77 @@ def test_without_labels_logits_come_back_unchanged_and_kwargs_pass_through():
     for kw in ({}, {"logits_to_keep": 1}):
         want = reference(ids, attention_mask=mask, **kw).logits
         torch.testing.assert_close(patched(ids, attention_mask=mask, **kw).logits, want, atol=0, rtol=0)
-    # return_dict=False gives the tuple transformers gives, minus the logits: (loss, past_key_values)
+
+
+def test_return_dict_false_keeps_transformers_tuple_layout_with_none_for_the_logits():
+    reference = tiny_model("llama")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    for kw in ({"use_cache": True}, {"use_cache": True, "output_hidden_states": True}):
+        with torch.no_grad():
+            want = reference(ids, attention_mask=mask, labels=labels, return_dict=False, **kw)
+            got = patched(ids, attention_mask=mask, labels=labels, return_dict=False, **kw)
+        assert isinstance(got, tuple) and len(got) == len(want) >= 3
+        torch.testing.assert_close(got[0], want[0], **TOL)
+        assert got[1] is None and want[1].shape == (B, S, VOCAB)  # the logits slot, kept
+        assert type(got[2]) is type(want[2])  # past_key_values stays third
+        if "output_hidden_states" in kw:  # and the hidden states fourth, equal
+            for g, w in zip(got[3], want[3]):
+                torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_eval_mode_returns_logits_and_transformers_loss_training_mode_the_fused_loss():
+    reference = tiny_model("qwen2")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    reference.eval()
+    patched.eval()  # what Trainer.evaluate / predict do
     with torch.no_grad():
-        tup = patched(ids, attention_mask=mask, labels=labels, return_dict=False)
-        assert isinstance(tup, tuple)
-        torch.testing.assert_close(tup[0], reference(ids, attention_mask=mask, labels=labels).loss, **TOL)
+        want = reference(ids, attention_mask=mask, labels=labels)
+        got = patched(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+    torch.testing.assert_close(got.loss, want.loss, atol=0, rtol=0)
+    patched.train()
+    assert patched(ids, attention_mask=mask, labels=labels).logits is None
+    # logits_in_eval=False: the fused loss in eval mode too
+    fused_eval = hf.patch(copy.deepcopy(reference), logits_in_eval=False).eval()
+    with torch.no_grad():
+        out = fused_eval(ids, attention_mask=mask, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want.loss, **TOL)
+
+
+def test_trainer_predict_and_evaluate_with_compute_metrics_see_the_logits_of_the_unpatched_model(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    reference = tiny_model("llama")
+    patched = hf.patch(copy.deepcopy(reference))
+    data = []
+    for i in range(3):
+        ids, mask, labels = batch(seed=20 + i)
+        data += [dict(input_ids=ids[r], attention_mask=mask[r], labels=labels[r]) for r in range(B)]
+
+    def accuracy(pred: transformers.EvalPrediction) -> dict:
+        logits, labels = torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids)
+        guess, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+        valid = target != -100
+        return {"accuracy": (guess[valid] == target[valid]).double().mean().item()}
+
+    results = {}
+    for name, model in (("reference", reference), ("patched", patched)):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), report_to=[], use_cpu=True, per_device_eval_batch_size=2,
+            disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, compute_metrics=accuracy)
+        results[name] = (trainer.predict(data), trainer.evaluate(data))
+    (want_pred, want_eval), (got_pred, got_eval) = results["reference"], results["patched"]
+    assert got_pred.predictions.shape == (len(data), S, VOCAB)
+    torch.testing.assert_close(torch.as_tensor(got_pred.predictions), torch.as_tensor(want_pred.predictions))
+    assert got_eval["eval_accuracy"] == want_eval["eval_accuracy"]
+    assert abs(got_eval["eval_loss"] - want_eval["eval_loss"]) < 1e-6
+    patched.train()  # Trainer.train switches back: the fused loss again
+    ids, mask, labels = batch()
+    assert patched(ids, attention_mask=mask, labels=labels).logits is None
 
 
 def test_logits_to_keep_shift_labels_and_ignore_index_match_transformers():
@@ -175,7 +241,11 @@ def test_under_cpu_autocast_the_head_runs_in_the_autocast_dtype_like_nn_linear()
 
 def test_patch_is_idempotent_and_unpatch_restores_the_original_forward():
     model = tiny_model("llama")
+    model.train()
+    model.model.layers[1].eval()  # mixed modes survive the check forward (run in eval mode)
+    modes = [m.training for m in model.modules()]
     assert hf.patch(model) is model and hf.is_patched(model)
+    assert [m.training for m in model.modules()] == modes
     first = model.forward
     hf.patch(model)
     assert model.forward == first
@@ -188,13 +258,40 @@ def test_patch_is_idempotent_and_unpatch_restores_the_original_forward():
     hf.unpatch(model)  # a no-op on an unpatched model
 
 
-def test_unsupported_models_are_refused_with_the_reason():
-    with pytest.raises(TypeError, match="ForCausalLM"):
+def test_models_whose_loss_the_patch_would_not_reproduce_are_refused_naming_class_and_reason():
+    with pytest.raises(ValueError, match="LlamaModel.*ForCausalLM"):
         hf.patch(tiny_model("llama").model)  # the body alone has no head
-    scaled = tiny_model("llama")
-    scaled.config.logits_scaling = 4.0  # Granite-style: logits / 4
-    with pytest.raises(NotImplementedError, match="logits_scaling"):
-        hf.patch(scaled)
+    # a config field the Granite family divides by, which Llama's forward ignores: the check forward sees
+    # that the logits are not logits / 4 and refuses
+    ignored = tiny_model("llama")
+    ignored.config.logits_scaling = 4.0
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*logits_scaling=4.0"):
+        hf.patch(ignored)
+    assert not hf.is_patched(ignored)
+    hf.patch(ignored, verify=False)  # the escape hatch: config checks only
+
+    class DoubledLlama(transformers.LlamaForCausalLM):  # a transform no config field announces
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    doubled = DoubledLlama(tiny_config("llama", tied=False))
+    with pytest.raises(ValueError, match="DoubledLlama.*logits are not the identity"):
+        hf.patch(doubled)
+    bart = transformers.BartForConditionalGeneration(
+        transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=2,
+                                decoder_attention_heads=2, max_position_embeddings=32)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="BartForConditionalGeneration.*encoder-decoder"):
+        hf.patch(bart)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf.patch("llama")
+    router = tiny_model("llama")
+    router.config.output_router_logits = True
+    with pytest.raises(ValueError, match="router auxiliary loss"):
+        hf.patch(router)
 
 
 class _LargestAllocation(LiveTensorTracker):

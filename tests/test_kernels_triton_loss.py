@@ -13,12 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_support import compile_for_h100, kernel_test_device
+from triton_support import kernel_test_device
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
 from lmloss.kernels import ChunkMath  # noqa: E402
-from lmloss.kernels.triton_kernels import TritonKernels, cross_entropy_loss_and_grad_  # noqa: E402
+from lmloss.kernels.triton_kernels import (  # noqa: E402
+    TritonKernels,
+    cross_entropy_loss_and_grad_,
+    scale_by_device_scalar_,
+)
 
 DEVICE = kernel_test_device()
 
@@ -105,16 +109,18 @@ def test_loss_and_grad_match_float64(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_equals_out_of_place_bit_for_bit(dtype):
-    """``out is x`` on a row slice of a bigger tensor (row stride 80): the same bits as a separate `out` of
-    x's dtype, and nothing outside the view is written."""
+    """``out is x`` on a row slice of a bigger tensor (row stride 80, rows at every 16-byte alignment): the same
+    bits as a separate `out` of x's dtype laid out alike (the lanes' summation order follows each row's
+    alignment), and nothing outside the view is written."""
     c, valid, v_local = 5, 61, 67
     math = ChunkMath(vocab_start=0, valid=valid, scale=1 / 1.3, softcap=8.0)
-    x, labels = make_inputs(c, v_local, valid, dtype, seed=1)
+    x_dense, labels = make_inputs(c, v_local, valid, dtype, seed=1)
     big = torch.full((c + 2, 80), 5.0, dtype=dtype, device=DEVICE)
     view = big[1 : 1 + c, 3 : 3 + v_local]
-    view.copy_(x)
+    view.copy_(x_dense)
+    x = big.clone()[1 : 1 + c, 3 : 3 + v_local]
     kwargs = dict(ignore_index=IGNORE, label_smoothing=0.1, z_loss=0.01, vocab_size=valid, block_v=16)
-    separate = torch.empty_like(x)
+    separate = torch.empty_like(big)[1 : 1 + c, 3 : 3 + v_local]
     res_out = cross_entropy_loss_and_grad_(x, labels, math, out=separate, **kwargs)
     before = big.clone()
     res_in = cross_entropy_loss_and_grad_(view, labels, math, out=view, **kwargs)
@@ -174,24 +180,38 @@ def test_all_rows_ignored_and_argument_errors():
         cross_entropy_loss_and_grad_(y, labels, math, out=y.long(), **kwargs)
 
 
-# The interpreter runs the kernel's Python, not Triton's compiler: compile it ahead of time for an H100 (sm_90;
-# no GPU needed, Triton bundles ptxas) without TRITON_INTERPRET, as the JIT specialises aligned pointers and
-# widths, and check it streams x and out with 128-bit accesses in both of its passes.
-AOT_SCRIPT = """
-sig = {"x_ptr": "*bf16", "x_row_stride": "i32", "out_ptr": "*bf16", "out_row_stride": "i32", "labels_ptr": "*i64",
-       "res_ptr": "*fp32", "n_cols": "i32", "n_blocks": "i32", "valid": "i32", "ignore_index": "i32",
-       "scale": "fp32", "softcap": "fp32", "eps": "fp32", "z_loss": "fp32", "inv_vocab": "fp32"}
-flags = dict(SOFTCAP=True, SMOOTHING=True, Z_LOSS=True, BLOCK_V=8192)
-aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
-           if name.endswith(("_ptr", "_stride")) or name in ("valid", "n_cols")}
-src = ASTSource(tk._cross_entropy_loss_grad_kernel, {**sig, **{k: "constexpr" for k in flags}}, flags, aligned)
-code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16}).asm["ptx"]
-json.dump(re.findall(r"(?:ld|st)[.]global[.][\\w.]+", code), sys.stdout)
-"""
+def test_persistent_grid_of_any_size_and_grad_scale():
+    """Programs walking rows p, p + programs, ...: 1, 2 or 7 programs for 5 rows give the same bits; a
+    grad_scale (the mean's 1 / count, read on the device) multiplies the gradient and not the loss."""
+    c, valid = 5, 45
+    math = ChunkMath(vocab_start=0, valid=valid, scale=1.0, softcap=0.0)
+    x, labels = make_inputs(c, valid, valid, torch.float32, seed=2)
+    kwargs = dict(ignore_index=IGNORE, label_smoothing=0.1, z_loss=0.0, vocab_size=valid, block_v=16)
+    runs = []
+    for programs in (1, 2, 7):
+        out = torch.empty_like(x)
+        runs.append((cross_entropy_loss_and_grad_(x, labels, math, out=out, programs=programs, **kwargs), out))
+    for res, out in runs[1:]:
+        assert torch.equal(res, runs[0][0]) and torch.equal(out, runs[0][1])
+    _, loss, grad = reference(x, labels, valid, 1.0, 0.0, 0.1, 0.0)
+    quarter = torch.tensor(0.25, device=DEVICE)
+    out = torch.empty_like(x)
+    res = cross_entropy_loss_and_grad_(x, labels, math, out=out, grad_scale=quarter, **kwargs)
+    assert_close(res[:, 1], loss)
+    assert_close(out, 0.25 * grad)
 
 
-def test_kernel_compiles_for_h100_with_16_byte_memory_access(tmp_path):
-    access = compile_for_h100(AOT_SCRIPT, tmp_path)
-    split = access.index("st.global.b32")  # the per-row (lse, loss) stores, between the two passes
-    assert "ld.global.v4.b32" in access[:split], access  # pass 1 reads x 16 bytes at a time
-    assert "ld.global.v4.b32" in access[split:] and "st.global.v4.b32" in access[split:], access  # pass 2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_by_device_scalar(dtype):
+    """``t *= factor`` with the factor read on the device: 0.5 scales every element exactly; 1.0 leaves the
+    bits as they were (NaN and inf included)."""
+    t = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    t[0, 0], t[1, 1] = NAN, INF
+    expected, kept = t * 0.5, t.clone()
+    assert scale_by_device_scalar_(t, torch.tensor(0.5, device=DEVICE)) is t
+    torch.testing.assert_close(t, expected, rtol=0, atol=0, equal_nan=True)
+    unit = kept.clone()
+    scale_by_device_scalar_(unit, torch.tensor(1.0, device=DEVICE))
+    torch.testing.assert_close(unit, kept, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_by_device_scalar_(t.t(), torch.tensor(0.5, device=DEVICE))

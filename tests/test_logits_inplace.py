@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import lmloss
 from impl_params import DTYPES, IMPLS
@@ -272,3 +274,45 @@ def test_inplace_peak_is_one_chunk_where_out_of_place_holds_a_gradient_buffer(dt
     assert peaks[True] <= bound, f"in place: {peaks[True]} bytes above the logits, bound {bound}"
     gradient_buffer = N * V * h.element_size()
     assert peaks[False] >= peaks[True] + gradient_buffer, peaks
+
+
+class _OpsOverTensorsOf(TorchDispatchMode):
+    """Records every op that is not a view (``detach`` is one) and touches a tensor of >= `numel` elements."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not func.is_view and any(t.numel() >= self.numel for t in tensors):
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_backward_at_upstream_one_runs_nothing_over_the_logits_and_other_upstreams_stay_exact(impl, reduction):
+    """The mean's 1 / count is folded into the gradient in the forward: ``loss.backward()`` (upstream 1.0)
+    hands the stored gradient on with no op over ``[N, V]``; 0.5, 3.0 and a multiply inside the graph
+    (``loss * -0.25``) still give the exact gradient of ``F.cross_entropy`` in float64."""
+    n, vocab = 12, 40
+    labels = torch.randint(0, vocab, (n,), generator=_gen(3))
+    labels[1::4] = IGNORE
+    base = torch.randn(n, vocab, generator=_gen(4)).requires_grad_()
+    for upstream, in_graph in ((1.0, 1.0), (0.5, 1.0), (3.0, 1.0), (1.0, -0.25)):
+        logits = base.clone()  # an op's output (clone's backward hands the gradient on as it is)
+        loss = lmloss.cross_entropy(logits, labels, reduction=reduction, inplace_backward=True, impl=impl)
+        with _OpsOverTensorsOf(n * vocab) as recorder:
+            scaled = loss * in_graph if in_graph != 1.0 else loss
+            (grad,) = torch.autograd.grad(scaled, base, torch.tensor(upstream))
+        base64 = base.detach().double().requires_grad_()
+        ref = torch.nn.functional.cross_entropy(base64, labels, ignore_index=IGNORE, reduction=reduction)
+        (expected,) = torch.autograd.grad(ref * (upstream * in_graph), base64)
+        torch.testing.assert_close(grad.double(), expected, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-6, rtol=1e-6)
+        if upstream == 1.0 and in_graph == 1.0:
+            assert recorder.ops == [], recorder.ops
+        elif in_graph == 1.0:
+            assert recorder.ops == ["aten.mul_.Tensor"], recorder.ops  # one pass, in place, nothing else

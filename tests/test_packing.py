@@ -216,3 +216,17 @@ def test_to_dict_names_every_field():
         "loss_mask",
     }
     assert all(d[k] is getattr(batch, k) for k in d)
+
+
+def test_shift_labels_without_cu_seqlens_shifts_each_row_of_a_batch():
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, -100, -100]])  # HF-style labels: padding already ignored
+    assert shift_labels(ids).tolist() == [[6, 7, 8, -100], [10, -100, -100, -100]]
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])  # targets: the response tokens only
+    assert shift_labels(ids, loss_mask=mask, ignore_index=-1).tolist() == [[-1, 7, 8, -1], [10, -100, -100, -1]]
+    assert shift_labels(torch.tensor([1, 2, 3])).tolist() == [2, 3, -100]  # one unpacked sequence
+    with pytest.raises(ValueError, match="cu_seqlens_padded needs cu_seqlens"):
+        shift_labels(ids, cu_seqlens_padded=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        shift_labels(ids, loss_mask=mask[0])
+    with pytest.raises(ValueError, match="cu_seqlens=None"):
+        shift_labels(ids, torch.tensor([0, 4]))

@@ -23,6 +23,9 @@ MiB = 1024**2
         {"max_entries": -5},
         {"stacks": "cpp"},
         {"ranks": (0, -1)},
+        {"min_bytes": -1},
+        {"min_bytes": "64k"},
+        {"min_bytes": True},
     ],
 )
 def test_bad_config_values_raise_value_error(kwargs):
@@ -181,8 +184,62 @@ def test_memory_report_reads_a_snapshot_pickle(tmp_path, capsys):
     assert "cuda-snapshot" in out and "train.py:40 in loss_fn" in out and "model.py" not in out
 
 
-def test_memory_report_rejects_a_json_that_is_not_a_report(tmp_path, capsys):
-    path = tmp_path / "other.json"
-    path.write_text('{"format": "something-else"}')
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("other.json", '{"format": "something-else"}', "not an lmloss CPU memory report"),
+        ("notes.json", "peak: 3 MiB", "not an lmloss CPU memory report (not JSON"),
+        ("list.json", "[1, 2]", "not an lmloss CPU memory report (a JSON list)"),
+        ("notes.txt", "hello", "not a torch.cuda.memory snapshot pickle"),
+    ],
+)
+def test_memory_report_rejects_a_file_that_is_not_a_report_in_one_line_naming_it_once(
+    tmp_path, capsys, name, content, says
+):
+    path = tmp_path / name
+    path.write_text(content)
     assert cli_main(["memory-report", str(path)]) == 1
-    assert "not an lmloss CPU memory report" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err and err.count(str(path)) == 1 and len(err.strip().splitlines()) == 1, err
+
+
+def test_min_bytes_is_a_config_option_and_the_constructor_keyword_overrides_it(tmp_path):
+    assert MemoryProfilerConfig.from_dict({"min_bytes": 0}) == MemoryProfilerConfig(min_bytes=0)
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("memory_profile:\n  profile_steps: [0]\n  min_bytes: 0\n")
+    config = MemoryProfilerConfig.from_yaml(yaml_path, key="memory_profile")
+
+    def listed_shapes(profiler) -> list[list[int]]:
+        with profiler.step(0) as path:
+            _train_step(64)  # every tensor is 64 x 64 fp32 = 16 KiB
+        return [a["shape"] for a in json.loads(path.read_text())["top_allocations"]]
+
+    assert [64, 64] in listed_shapes(MemoryProfiler(config, tmp_path / "a", rank=0, device="cpu"))
+    assert listed_shapes(MemoryProfiler(config, tmp_path / "b", rank=0, device="cpu", min_bytes=MiB)) == []
+    with pytest.raises(ValueError, match="min_bytes"):
+        MemoryProfiler(config, tmp_path, rank=0, device="cpu", min_bytes=-1)
+
+
+def test_memory_report_says_how_much_of_the_peak_is_in_tensors_too_small_to_list(tmp_path, capsys):
+    # The default config lists tensors of at least 64 KiB; this step's are 16 KiB: none is listed, and the
+    # report says so instead of printing an empty list.
+    prof = MemoryProfiler(
+        MemoryProfilerConfig(profile_steps=(0,)), tmp_path / "default", rank=0, device="cpu"
+    )
+    with prof.step(0) as path:
+        _train_step(64)
+    peak = json.loads(path.read_text())["peak_bytes"]
+    assert peak >= 3 * 64 * 64 * 4
+    assert cli_main(["memory-report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "of at least 64 KiB alive at the peak (0 listed, 0.0 MiB)" in out
+    assert f"{peak / MiB:10,.1f} MiB  in tensors under 64 KiB, not listed" in out
+    assert "min_bytes: 0" in out
+
+    prof = MemoryProfiler(MemoryProfilerConfig(profile_steps=(0,), min_bytes=0), tmp_path / "all", rank=0,
+                          device="cpu")  # fmt: skip
+    with prof.step(0) as path:
+        _train_step(64)
+    assert cli_main(["memory-report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "torch.float32 [64, 64]" in out and "not listed" not in out

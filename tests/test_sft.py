@@ -63,12 +63,25 @@ def test_shipped_dataset_is_the_generators_output():
     assert shipped == tasks.generate()
 
 
-def test_bpe_training_is_deterministic_and_cached(tmp_path):
+def test_bpe_training_is_deterministic_and_cached_only_for_the_same_texts(tmp_path):
     texts = ["next: monday\n tuesday", "add: 1 + 2\n 3"] * 50
     assert train_bpe(texts, 300).to_str() == train_bpe(texts, 300).to_str()
-    first = prepare_tokenizer(texts, 300, tmp_path / "tok.json")
-    again = prepare_tokenizer(["other text entirely"], 300, tmp_path / "tok.json")  # read from the cache
-    assert again.encode("add: 1 + 2") == first.encode("add: 1 + 2")
+    cache = tmp_path / "tok.json"
+    first = prepare_tokenizer(texts, 300, cache)
+    written = cache.stat().st_mtime_ns
+    again = prepare_tokenizer(texts, 300, cache)
+    assert cache.stat().st_mtime_ns == written  # read from the cache, not retrained
+    assert again.encode("add: 1 + 2") == first.encode("add: 1 + 2") and len(first.encode("add: 1 + 2")) < 6
+    # another dataset (an earlier run's tokenizer left in --out) is never reused: it is retrained on these
+    other = prepare_tokenizer(["zebra quartz xylophone"] * 50, 300, cache)
+    assert other.encode("add: 1 + 2") == train_bpe(["zebra quartz xylophone"] * 50, 300).encode(
+        "add: 1 + 2", add_special_tokens=False).ids  # fmt: skip
+    assert len(other.encode("add: 1 + 2")) > len(first.encode("add: 1 + 2"))
+    # a cache file changed since it was written (its sha256 no longer matches) is retrained too
+    prepare_tokenizer(texts, 300, cache)
+    cache.write_text(cache.read_text() + " ")
+    assert prepare_tokenizer(texts, 300, cache).encode("add: 1 + 2") == first.encode("add: 1 + 2")
+    assert not cache.read_text().endswith(" ")
 
 
 def test_prompt_tokens_are_not_targets_and_eos_is(tokenizer_file):
@@ -178,6 +191,42 @@ def test_config_yaml_with_command_line_override(tmp_path):
     assert cfg.memory_profile == {"profile_steps": [0, 3]}
 
 
+def test_config_yaml_values_are_coerced_to_their_field_types(tmp_path):
+    # YAML 1.1 reads 1e-3 as a string (no dot) and keeps quoted "false" a string: both are unambiguous
+    path = tmp_path / "run.yaml"
+    path.write_text('lr: 1e-3\nweight_decay: 1e-2\nsteps: "5"\ngrad_clip: 1\nshuffle: "false"\n'
+                    'truncate: "Yes"\nchunk_size: "64"\nresume: latest\noverride: [lr, tokens-per-batch]\n')  # fmt: skip
+    cfg = SFTConfig.from_yaml(path)
+    assert (cfg.lr, cfg.weight_decay, cfg.steps, cfg.grad_clip) == (1e-3, 1e-2, 5, 1.0)
+    assert type(cfg.lr) is float and type(cfg.steps) is int and type(cfg.grad_clip) is float
+    assert cfg.shuffle is False and cfg.truncate is True and cfg.chunk_size == 64
+    assert cfg.override == ("lr", "tokens_per_batch")
+    # shuffle: "false" keeps the file order (it used to be a truthy string, and shuffled)
+    order = data.BatchOrder([1] * 8, 2, seed=0, shuffle=cfg.shuffle)
+    assert order.epoch(0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("shuffle: maybe", "shuffle must be true or false, got 'maybe'"),
+        ("shuffle: 2", "shuffle must be true or false, got 2"),
+        ("lr: fast", "lr must be a number, got 'fast'"),
+        ("steps: 2.5", "steps must be an integer, got 2.5"),
+        ("lr: .nan", "lr must be a finite number >= 0, got nan"),
+        ("data: 7", "data must be a string, got 7 (int)"),
+        ("override: [learning_rate]", "override names ['learning_rate'] are not run settings"),
+        ("override: lr", "override ['lr'] applies to a resumed run only (--resume)"),
+    ],
+)
+def test_config_yaml_value_of_the_wrong_type_names_the_field(tmp_path, capsys, line, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(line + "\n")
+    err = _cli_error(capsys, "--config", str(path), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"lmloss sft: error: {message}")
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_device_trains_on_cuda_and_starts_where_the_cpu_run_starts(tmp_path, tokenizer_file):
     # step 1's loss is a forward before any update: CUDA and CPU agree up to summation order
@@ -234,7 +283,7 @@ def test_demo_layout_on_a_one_gpu_machine_runs_on_cpu_and_says_so(
     _gpus(monkeypatch, 1)
     launched = {}
     monkeypatch.setattr(
-        launch, "spawn", lambda nproc, device, fn, cfg: launched.update(nproc=nproc, device=device)
+        launch, "spawn", lambda nproc, device, fn, *args: launched.update(nproc=nproc, device=device)
     )
     with pytest.raises(FileNotFoundError):  # no summary: nothing ran
         run(_config(tmp_path, tokenizer_file, cp=2, nproc=2, device="auto"))
@@ -257,7 +306,7 @@ def test_missing_dataset_file_is_reported(tmp_path, capsys):
 
 def test_empty_dataset_is_reported(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    err = _cli_error(capsys, "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path))
+    err = _cli_error(capsys, "--data", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "out"))
     assert "holds no examples" in err
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
 
 # (module, what it is) — imported lazily so `lmloss --help` stays fast and optional extras stay optional.
@@ -17,11 +19,44 @@ SUBCOMMAND_MODULES = (
     "lmloss.sft.cli",
 )
 
+#: torch's warning at import when numpy is not installed (the core install has none; lmloss never uses it).
+#: ``lmloss/__init__.py`` drops it for this process; `main` passes the same filter on to the processes the
+#: command starts (``lmloss sft --nproc``), which import torch before lmloss.
+NUMPY_WARNING = "Failed to initialize NumPy"
+NUMPY_WARNING_FILTER = f"ignore:{NUMPY_WARNING}:UserWarning"
+
+
+def version_text() -> str:
+    """``lmloss <version> (torch <version>, triton <version or 'not installed'>)``."""
+    import torch
+
+    import lmloss
+
+    try:
+        triton = importlib.metadata.version("triton")  # read from the metadata: importing triton is slow
+    except importlib.metadata.PackageNotFoundError:
+        triton = "not installed"
+    return f"lmloss {lmloss.__version__} (torch {torch.__version__}, triton {triton})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: like argparse's own, but the text is built only when asked for (it imports torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())  # on stdout, as argparse's own version action prints
+        parser.exit()
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmloss",
         description="Chunked, vocab-parallel log-probs, entropy and cross-entropy for LLM training.",
+    )
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print lmloss's version (and torch's and triton's) and exit"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
@@ -35,13 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _child_warning_filters(environ: dict[str, str]) -> str:
+    """``PYTHONWARNINGS`` for processes the command starts: the user's filters plus `NUMPY_WARNING_FILTER`."""
+    current = environ.get("PYTHONWARNINGS", "")
+    if NUMPY_WARNING_FILTER in current.split(","):
+        return current
+    return f"{current},{NUMPY_WARNING_FILTER}" if current else NUMPY_WARNING_FILTER
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args.func(args) or 0)
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = _child_warning_filters(os.environ)
+    try:
+        return int(args.func(args) or 0)
+    finally:  # main() may be called in-process (tests, notebooks): leave the environment as it was
+        if before is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = before
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ import torch
 
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
+from lmloss.kernels import compute_dtype, scaled_cast
 from lmloss.kernels.torch_ref import ChunkScratch
-from lmloss.logits import reduce_loss
+from lmloss.logits import loss_denominator
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
 from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import (
@@ -157,9 +158,11 @@ class _Accumulators:
         self.sequence_parallel = sequence_parallel
         h_dtype = torch.promote_types(hidden.dtype, torch.float32) if tp_summed else hidden.dtype
         self.hidden = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device) if needs[0] else None
+        # not zero-filled: the first chunk's GEMM writes it with beta=0 (one plain GEMM for a single chunk)
         self.weight = (
-            torch.zeros(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None
+            torch.empty(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None
         )
+        self.weight_written = False
         self.bias = None
         if bias is not None and needs[2]:
             bias_dtype = torch.promote_types(bias.dtype, torch.float32)
@@ -180,25 +183,29 @@ class _Accumulators:
             else:  # the GEMM accumulates in fp32 internally; each hidden row comes from one GEMM
                 self.hidden[s:e] = torch.mm(dz_w, w)
         if self.weight is not None:
+            beta = 1.0 if self.weight_written else 0.0  # beta=0: the buffer's unset contents are not read
             if dz.dtype == self.weight.dtype:
-                self.weight.addmm_(dz.t(), rows if rows.dtype == dz.dtype else rows.to(dz.dtype))
+                self.weight.addmm_(dz.t(), rows if rows.dtype == dz.dtype else rows.to(dz.dtype), beta=beta)
             else:  # low-precision d-logits into the fp32 accumulator, on the tensor cores
-                torch.addmm(self.weight, dz.t(), rows, out_dtype=torch.float32, out=self.weight)
+                torch.addmm(self.weight, dz.t(), rows, out_dtype=torch.float32, beta=beta, out=self.weight)
+            self.weight_written = True
         if self.bias is not None:
             self.bias.add_(dz.sum(dim=0, dtype=self.bias.dtype))
 
     def finish(self, hidden, weight, bias, tp_group, scale=None):
-        """The gradients in their inputs' dtypes; scaled by the upstream scalar `scale` if given."""
+        """The gradients in their inputs' dtypes; scaled by the upstream scalar `scale` if given, in the same
+        pass as the cast (`scaled_cast`: no pass at all over a same-dtype buffer when `scale` is 1.0)."""
         gh = gw = gb = None
         if self.hidden is not None:
-            g = self.hidden if scale is None else self.hidden.mul_(scale)
             if not self.sequence_parallel:  # with it, the sum is `_GatherRows`' backward (a reduce-scatter)
-                all_reduce_sum_(g, tp_group)
-            gh = g.to(hidden.dtype)
+                all_reduce_sum_(self.hidden, tp_group)
+            gh = scaled_cast(self.hidden, scale, hidden.dtype)
         if self.weight is not None:
-            gw = (self.weight if scale is None else self.weight.mul_(scale)).to(weight.dtype)
+            if not self.weight_written:  # no chunk (no tokens): a zero gradient
+                self.weight.zero_()
+            gw = scaled_cast(self.weight, scale, weight.dtype)
         if self.bias is not None:
-            gb = (self.bias if scale is None else self.bias.mul_(scale)).to(bias.dtype)
+            gb = scaled_cast(self.bias, scale, bias.dtype)
         return gh, gw, gb
 
 
@@ -255,13 +262,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, plan: LossPlan, opts: dict, grad_enabled: bool):
-        # grad mode is always off inside forward(): the caller says whether gradients will be wanted
+    def forward(ctx, hidden, weight, bias, labels, plan: LossPlan, opts: dict, grad_enabled: bool, denominator):
+        # grad mode is always off inside forward(): the caller says whether gradients will be wanted;
+        # `denominator` (0-d, or None for "sum"): the mean's count, folded into the gradients here
         needs = tuple(n and grad_enabled for n in ctx.needs_input_grad[:3])
-        results, acc = _summed_pass(hidden, weight, bias, labels, plan, opts, needs)
-        ctx.plan, ctx.opts, ctx.acc = plan, opts, acc
+        grad_scale = None if denominator is None else denominator.reciprocal()
+        results, acc = _summed_pass(hidden, weight, bias, labels, plan, opts, needs, grad_scale)
+        ctx.plan, ctx.opts, ctx.acc, ctx.grad_scale = plan, opts, acc, grad_scale
         ctx.save_for_backward(hidden, weight, bias, labels)
-        return results["loss"].sum()
+        total = results["loss"].sum()
+        return total if denominator is None else total / denominator
 
     @staticmethod
     @once_differentiable
@@ -269,21 +279,23 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         hidden, weight, bias, labels = ctx.saved_tensors
         acc, ctx.acc = ctx.acc, "used"
         if acc == "used":
-            _, acc = _summed_pass(hidden, weight, bias, labels, ctx.plan, ctx.opts, ctx.needs_input_grad[:3])
+            _, acc = _summed_pass(
+                hidden, weight, bias, labels, ctx.plan, ctx.opts, ctx.needs_input_grad[:3], ctx.grad_scale
+            )
         if acc is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grads = acc.finish(hidden, weight, bias, ctx.plan.tp_group, grad_total)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
-def _summed_pass(hidden, weight, bias, labels, plan: LossPlan, opts: dict, needs):
+def _summed_pass(hidden, weight, bias, labels, plan: LossPlan, opts: dict, needs, grad_scale):
     """The per-token losses and, for the inputs that `needs` a gradient, the `_Accumulators` holding the
-    gradient of their sum (None if none does)."""
+    gradient of their sum times `grad_scale` (a 0-d device tensor, or None for 1) (None if none does)."""
     scratch = _pass_scratch(plan, hidden)
     acc = _Accumulators(hidden, weight, bias, needs, scratch=scratch, **opts) if any(needs) else None
     results = forward_pass(
         plan, hidden.shape[0], _HiddenRows(hidden, weight, bias, scratch, opts["chunk_dtype"]), labels,
-        device=hidden.device, dtype=hidden.dtype, grad_sink=acc,
+        device=hidden.device, dtype=hidden.dtype, grad_sink=acc, grad_scale=grad_scale,
     )  # fmt: skip
     return results, acc
 
@@ -348,9 +360,14 @@ def _check_tensors(
 
 def _prepare(
     hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
-    reduction=None, mean_group=None, **options,
+    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, **options,
 ):  # fmt: skip
-    """Check the tensors, resolve the plan, gather sequence-parallel hidden states."""
+    """Check the tensors, resolve the plan, gather sequence-parallel hidden states.
+
+    `agree`: more values every TP rank must share (fields of `lmloss.vocab_parallel.HOST_FIELDS`);
+    `bytes_per_logit`: the PyTorch implementation's per-logit working set for ``chunk_size="auto"``
+    (default 8), for ops holding more.
+    """
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
         labels, expected = _check_tensors(
@@ -360,18 +377,17 @@ def _prepare(
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
-        per_logit = dtype_bytes if impl == "triton" else 8
+        per_logit = dtype_bytes if impl == "triton" else (bytes_per_logit or 8)
         return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit, budget_mib=budget)
 
     grad = torch.is_grad_enabled() and sum(
         1 << i for i, t in enumerate((hidden, weight, bias)) if t is not None and t.requires_grad
     )
-    agree = dict(
-        op=1, hidden_width=h_width, sequence_parallel=int(sequence_parallel), grad=int(grad),
-        reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
-        mean_group=-1 if mean_group is None else world_size(mean_group),
-        chunk_budget=budget,
-    )  # fmt: skip
+    agree = {
+        "op": 1, **(agree or {}), "hidden_width": h_width, "sequence_parallel": int(sequence_parallel),
+        "grad": int(grad), "reduction": -1 if reduction is None else _validate.REDUCTIONS.index(reduction),
+        "mean_group": -1 if mean_group is None else world_size(mean_group), "chunk_budget": budget,
+    }  # fmt: skip
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
@@ -504,6 +520,10 @@ def linear_cross_entropy(
     if reduction == "none":
         (per_token,) = _LinearSoftmaxPerToken.apply(flat, weight, bias, flat_labels, plan, opts)
         return per_token.view(shape)
-    total = _LinearCrossEntropySum.apply(flat, weight, bias, flat_labels, plan, opts, torch.is_grad_enabled())
-    labels = flat_labels.view(shape)
-    return reduce_loss(total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group)
+    denominator = loss_denominator(
+        flat_labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
+        dtype=compute_dtype(hidden.dtype),
+    )  # fmt: skip
+    return _LinearCrossEntropySum.apply(
+        flat, weight, bias, flat_labels, plan, opts, torch.is_grad_enabled(), denominator
+    )

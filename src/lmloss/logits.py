@@ -13,6 +13,7 @@ import torch
 
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
+from lmloss.kernels import compute_dtype, scale_
 from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
 from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, errors_raised_on_every_rank
@@ -97,9 +98,10 @@ class _SoftmaxOverLogits(torch.autograd.Function):
 class _CrossEntropyInPlace(torch.autograd.Function):
     """``sum`` of per-token losses; the gradient is computed in the forward and written over the logits.
 
-    The backward only scales the stored gradient by the upstream scalar, once. The modification is made
-    known to autograd, so that another op that saved these logits fails with PyTorch's version-counter
-    error instead of computing with a gradient:
+    The backward only scales the stored gradient (already divided by the mean's count) by the upstream
+    scalar, once, and does nothing over it when that upstream is 1.0. The modification is made known to
+    autograd, so that another op that saved these logits fails with PyTorch's version-counter error
+    instead of computing with a gradient:
 
     * logits that are not a view are marked dirty (``ctx.mark_dirty``) and returned as a second output;
       reading them after the call and backpropagating through that raises.
@@ -110,23 +112,26 @@ class _CrossEntropyInPlace(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan, is_view: bool):
+    def forward(ctx, logits, labels, plan: LossPlan, is_view: bool, denominator):
+        # `denominator` (a 0-d device tensor, or None for "sum"): the mean's count, folded into the gradient here
         flat = logits.view(-1, logits.shape[-1])
         results = forward_pass(
             plan, flat.shape[0], _rows_of(flat), labels, device=logits.device, dtype=logits.dtype,
-            grad_sink=_InPlaceSink(),
+            grad_sink=_InPlaceSink(), grad_scale=None if denominator is None else denominator.reciprocal(),
         )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.used = False
+        total = results["loss"].sum()
+        loss = total if denominator is None else total / denominator
         if is_view:
             # Triton's writes do not bump it; the torch kernels' may have: one more bump, then saved, so that
             # a later in-place change to the logits is caught when the backward unpacks them
             torch.autograd.graph.increment_version(logits)
             ctx.save_for_backward(logits)
-            return results["loss"].sum()
+            return loss
         ctx.mark_dirty(logits)
         ctx.save_for_backward(logits)
-        return results["loss"].sum(), logits
+        return loss, logits
 
     @staticmethod
     @once_differentiable
@@ -144,8 +149,8 @@ class _CrossEntropyInPlace(torch.autograd.Function):
         ctx.used = True
         (grad,) = ctx.saved_tensors
         if grad_total is None:
-            return None, None, None, None
-        return grad.mul_(grad_total), None, None, None
+            return None, None, None, None, None
+        return scale_(grad, grad_total), None, None, None, None  # no [N, V] work for an upstream of 1.0
 
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
@@ -186,11 +191,23 @@ def reduce_loss(
     if reduction == "none":
         return per_token
     total = per_token.sum()
-    if reduction == "sum":
-        return total
-    count = (labels != ignore_index).sum().to(total.dtype)
+    denominator = loss_denominator(
+        labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group, dtype=total.dtype
+    )
+    return total if denominator is None else total / denominator
+
+
+def loss_denominator(
+    labels: torch.Tensor, *, ignore_index: int, reduction: str, mean_group: ProcessGroup | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """What ``reduction`` divides the summed loss by: for ``"mean"`` the number of non-ignored tokens (over
+    `mean_group` when given: one all-reduce of a scalar), at least 1, a 0-d `dtype` tensor on the labels'
+    device (no host sync); None for ``"sum"``."""
+    if reduction != "mean":
+        return None
+    count = (labels != ignore_index).sum().to(dtype)
     all_reduce_sum_(count, mean_group)
-    return total / count.clamp(min=1.0)
+    return count.clamp(min=1.0)
 
 
 def token_logprobs(
@@ -374,11 +391,12 @@ def cross_entropy(
         agree=_agree(logits, reduction=reduction, mean_group=mean_group),
     )  # fmt: skip
     if inplace:
-        out = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan, logits._is_view())
-        total = out[0] if isinstance(out, tuple) else out
-        return reduce_loss(
-            total, labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group
-        )
+        denominator = loss_denominator(
+            labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
+            dtype=compute_dtype(logits.dtype),
+        )  # fmt: skip
+        out = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan, logits._is_view(), denominator)
+        return out[0] if isinstance(out, tuple) else out
     (per_token,) = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
     return reduce_loss(
         per_token.view(labels.shape), labels, ignore_index=ignore_index, reduction=reduction,

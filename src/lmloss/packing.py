@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "PackedBatch",
@@ -173,36 +174,66 @@ def _check_mask(mask: object, length: int, what: str) -> torch.Tensor:
 
 def shift_labels(
     input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
     *,
     cu_seqlens_padded: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token labels for an already packed buffer, never crossing a sequence boundary.
+    """Next-token labels, never crossing a sequence boundary: for a packed buffer, or for ``[B, S]`` rows.
+
+    Two layouts:
+
+    * a packed buffer: ``input_ids`` ``[T]`` with its boundaries `cu_seqlens` (and `cu_seqlens_padded`);
+    * a batch of rows, ``cu_seqlens=None``: ``input_ids`` ``[..., S]`` (e.g. ``[B, S]``), each row one
+      sequence. This is the shift of transformers' ``ForCausalLMLoss`` and Cut Cross-Entropy's ``shift=``:
+      ``labels[..., i] = input_ids[..., i + 1]``, the last position ``ignore_index``. Passing HF-style
+      labels (``ignore_index`` at padding and prompts) as `input_ids` shifts them the same way.
 
     Args:
-        input_ids: integer ``[T]``, the packed tokens.
+        input_ids: integer ``[T]`` (packed) or ``[..., S]`` (rows), the tokens.
         cu_seqlens: integer ``[B + 1]`` or ``[1, B + 1]``, the real (unpadded) sequence boundaries,
             starting with 0. Without `cu_seqlens_padded` they are also the buffer layout and must end at T.
-        loss_mask: bool or 0/1 ``[T]`` aligned with `input_ids`: which tokens are *targets* (e.g. the
+            None: every row of `input_ids` is one sequence.
+        loss_mask: bool or 0/1, the shape of `input_ids`: which tokens are *targets* (e.g. the
             response tokens). None: every token is. The first token of a sequence is never a target,
             whatever its mask says, because nothing in its sequence precedes it.
         ignore_index: label of positions that predict nothing.
         cu_seqlens_padded: when the buffer holds padded slots, their boundaries (the buffer layout,
             ending at T); padding positions are then never targets. None: the buffer has no padding
-            (``cu_seqlens_padded = cu_seqlens``).
+            (``cu_seqlens_padded = cu_seqlens``). Only with `cu_seqlens`.
 
     Returns:
-        int64 ``[T]``: ``labels[i] = input_ids[i + 1]`` when ``i + 1`` is in the same sequence, is a real
-        token and is a target; ``ignore_index`` otherwise.
+        int64, the shape of `input_ids`: ``labels[i] = input_ids[i + 1]`` when ``i + 1`` is in the same
+        sequence (row), is a real token and is a target; ``ignore_index`` otherwise.
     """
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens_padded needs cu_seqlens (the real boundaries)")
+        if input_ids.dim() == 0:
+            raise ValueError("input_ids must have a sequence dimension, got a 0-d tensor")
+        labels = torch.full(input_ids.shape, ignore_index, dtype=torch.long, device=input_ids.device)
+        labels[..., :-1] = input_ids[..., 1:]
+        if loss_mask is not None:
+            mask = torch.as_tensor(loss_mask)
+            if mask.is_floating_point() or mask.is_complex():
+                raise TypeError(f"loss_mask must be bool or integer 0/1, got {mask.dtype}")
+            if mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"loss_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}"
+                )
+            target = F.pad(mask.bool().to(input_ids.device)[..., 1:], (0, 1), value=False)
+            labels.masked_fill_(~target, ignore_index)
+        return labels
     if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D (a packed buffer), got shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be 1-D (a packed buffer) with cu_seqlens, got shape {tuple(input_ids.shape)}; "
+            "for [B, S] rows pass cu_seqlens=None"
+        )
     n = input_ids.numel()
     if cu_seqlens_padded is None:
         check_cu_seqlens(cu_seqlens, n, name="cu_seqlens")

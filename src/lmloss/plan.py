@@ -254,11 +254,13 @@ def forward_pass(
     device: torch.device,
     dtype: torch.dtype,
     grad_sink: GradSink | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Walk the chunks once: per-token outputs ``[n]`` (and ``"lse"``), fp32 (fp64 for fp64 inputs).
 
-    With `grad_sink`, also the gradient of ``sum(loss)`` (upstream 1 per token), computed while each
-    chunk's logits are at hand and handed to the sink: the scalar-loss paths need no backward pass.
+    With `grad_sink`, also the gradient of ``grad_scale * sum(loss)`` (`grad_scale`: a 0-d device tensor,
+    ``1 / count`` for a mean; None for 1), computed while each chunk's logits are at hand and handed to the
+    sink: the scalar-loss paths need no backward pass, and the gradient comes out already scaled.
     """
     if plan.sampling is not None and grad_sink is not None:
         raise ValueError("top_k / top_p / min_p are for per-token outputs, not a summed loss")
@@ -304,10 +306,11 @@ def forward_pass(
 
             def finish_with_grad(partials, chunk_labels=chunk_labels):
                 stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-                ones = torch.ones_like(stats["lse"])
+                lse = stats["lse"]
+                per_token = torch.ones_like(lse) if grad_scale is None else grad_scale.to(lse.dtype).expand_as(lse)
                 return (
                     stats,
-                    grad_coefficients(plan, chunk_labels, stats["lse"], {"loss": ones}),
+                    grad_coefficients(plan, chunk_labels, stats["lse"], {"loss": per_token}),
                     stats["lse"],
                 )
 
@@ -316,7 +319,7 @@ def forward_pass(
                 stats = kernels.loss_and_grad_(
                     x, chunk_labels, plan.math, ignore_index=plan.ignore_index,
                     label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=plan.shard.vocab_size,
-                    out=out,
+                    out=out, grad_scale=grad_scale,
                 )  # fmt: skip
                 grad = out
             else:

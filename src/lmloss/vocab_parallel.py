@@ -85,10 +85,15 @@ HOST_FIELDS = (
     "error", "V_local", "vocab_start", "vocab_start_given", "vocab_size", "check_ranks", "op", "outputs",
     "reduction", "dtype", "grad", "mean_group", "n_tokens", "hidden_width", "sequence_parallel", "chunk_size",
     "chunk_budget", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
-    "top_k_max", "top_p", "min_p", "log_kept_mass",  # lmloss.sampling.Sampling.agree_fields
+    # lmloss.distill: the divergence and the teacher
+    "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width",
+    # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation
+    "top_k_max", "top_p", "min_p", "log_kept_mass",
 )  # fmt: skip
 LABEL_FIELDS = ("label_min", "label_max", "labels_count", "labels_sum", "labels_hash")
-FLOAT_FIELDS = frozenset({"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "top_p", "min_p"})
+FLOAT_FIELDS = frozenset(
+    {"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "beta", "top_p", "min_p"}
+)
 #: Bytes of each rank's error message in the second gather (made only when some rank failed a check).
 MESSAGE_BYTES = 512
 #: How a field is shown in a disagreement message (its codes).
@@ -96,7 +101,7 @@ _SHOWN = {
     "vocab_start_given": "vocab_start passed (1) or not (0)",
     "vocab_size": "vocab_size (-1: None)",
     "check_ranks": "LMLOSS_CHECK_RANKS (0: set to 0, 1: anything else)",
-    "op": "the op (0: from logits, 1: fused linear_*)",
+    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation)",
     "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
     "reduction": "reduction (0: mean, 1: sum, 2: none, -1: a per-token op)",
     "dtype": "dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",

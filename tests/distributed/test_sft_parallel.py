@@ -13,6 +13,7 @@ K/V, vocab shards combined over TP, gradients summed over ranks); the observed d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -29,6 +30,7 @@ pytest.importorskip("tokenizers")
 from lmloss.distributed import free_port  # noqa: E402
 from lmloss.sft.config import SFTConfig  # noqa: E402
 from lmloss.sft.parallel import Mesh  # noqa: E402
+from lmloss.sft.report import MetricsLog  # noqa: E402
 from lmloss.sft.trainer import Trainer, prepare_data  # noqa: E402
 
 STEPS = 20
@@ -74,7 +76,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, tokenizer: str) -> N
             return Trainer(cfg, mesh, torch.device("cpu"), prepared)
 
         for name in ("dp2_cp2", "tp2_cp2"):
-            results[name] = _train(trainer(name, Mesh.build(*LAYOUTS[name][:4])))
+            trained = trainer(name, Mesh.build(*LAYOUTS[name][:4]))
+            results[name] = _train(trained)
+        # a checkpoint of tp2_cp2: two head shards, written by the cp=0 rank of each TP rank (2 of the 4)
+        log = (
+            MetricsLog(Path(out_dir) / "tp2_cp2" / "metrics.jsonl", resume_step=0)
+            if trained.mesh.is_main
+            else None
+        )
+        trained.save(log)
         # 2-rank layouts side by side: every rank takes part in creating every group, then uses its own
         for names in SIDE_BY_SIDE:
             meshes = {name: Mesh.build(*LAYOUTS[name][:4]) for name in names}
@@ -126,7 +136,17 @@ def runs():
         memory = {name: sorted(str(p.relative_to(out / name / "memory")) for p in out.glob(f"{name}/memory/**/*.json"))
                   for name in ("dp2_cp2", "tp2_cp2", "cp2")}  # fmt: skip
         reports = {p: json.loads((out / "dp2_cp2" / "memory" / p).read_text()) for p in memory["dp2_cp2"]}
-        yield {"reference": reference, "per_rank": per_rank, "memory": memory, "reports": reports}
+        saved = out / "tp2_cp2" / "checkpoints" / f"step_{STEPS}"
+        checkpoint = {
+            "files": sorted(p.name for p in saved.iterdir()),
+            "manifest": json.loads((saved / "manifest.json").read_text()),
+            "sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.glob("tp*.pt")},
+            "bytes": {p.name: p.stat().st_size for p in saved.glob("tp*.pt")},
+            "head_rows": {p.name: torch.load(p, weights_only=False)["model"]["lm_head.weight"].shape[0]
+                          for p in saved.glob("tp*.pt")},
+        }  # fmt: skip
+        yield {"reference": reference, "per_rank": per_rank, "memory": memory, "reports": reports,
+               "checkpoint": checkpoint}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -166,3 +186,14 @@ def test_layout_that_does_not_match_the_world_size_is_rejected(runs):
         assert (
             "dp*cp*tp = 2*2*2 = 8 does not match the 4 processes" in runs["per_rank"][r]["bad_layout_error"]
         )
+
+
+def test_checkpoint_of_a_tp_layout_holds_each_shard_with_its_checksum(runs):
+    ckpt = runs["checkpoint"]
+    assert ckpt["files"] == ["manifest.json", "tp0.pt", "tp1.pt"]  # no temporary file left
+    manifest = ckpt["manifest"]
+    assert manifest["step"] == STEPS and manifest["tp"] == 2
+    assert manifest["shards"] == {
+        name: {"bytes": ckpt["bytes"][name], "sha256": ckpt["sha256"][name]} for name in ("tp0.pt", "tp1.pt")
+    }
+    assert ckpt["head_rows"] == {"tp0.pt": 512, "tp1.pt": 512}  # the 1024-row head, one half in each

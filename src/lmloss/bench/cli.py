@@ -1,12 +1,16 @@
 """``lmloss bench``: time and peak memory of forward+backward, lmloss against naive PyTorch and peers.
 
 Flags left unset take each workload's default for the device, which together make the default sweep.
-On CPU (about a minute on two cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32 and
-bf16 (naive, chunk 1024, chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab fp32
-(naive, lmloss fused at ``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor).
+On CPU (about two minutes on two idle cores): the logits workload at 2048 and 4096 tokens x 32000 vocab in fp32
+and bf16 (naive, chunk 1024, chunk none, Megatron), and one fused shape, 2048 x 256 hidden x 32000 vocab
+fp32 (naive, lmloss fused at ``auto``, torch's fused op, Cut Cross-Entropy, Liger, the matmul floor).
 On CUDA: logits [32768, 128256] bf16 and the fused head at 8192 and 16384 tokens x 4096 hidden x 128256
-vocab bf16, every impl, lmloss's Triton and PyTorch kernels side by side. Each configuration: one tracked
-run (peak memory, check against naive) and 2 timed runs.
+vocab bf16, every impl, lmloss's Triton and PyTorch kernels side by side.
+
+Each configuration: one tracked run (peak memory, check against naive); then, for all rows of a shape
+together, --warmup untimed rounds and --repeats timed rounds, each running every row once (interleaved,
+so that a cold start or a slow spell of the machine does not fall on one row). The time is the median; a
+row whose spread (half the min-max range over the median) passes ±10% is marked noisy in its note.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ DEFAULTS: dict[str, dict[str, dict[str, list]]] = {
 DEFAULT_VOCAB = {"cpu": [32000], "cuda": [128256]}
 DEFAULT_HIDDEN = {"cpu": [256], "cuda": [4096]}
 DEFAULT_KERNELS = {"cpu": ["torch"], "cuda": ["triton", "torch"]}
+#: Timed rounds and untimed warm-up rounds before them. A CPU run lasts 0.1-5 s: 5 give a median that one
+#: slow run cannot move; GPU runs are milliseconds, so more cost little.
+DEFAULT_REPEATS = {"cpu": 5, "cuda": 10}
+DEFAULT_WARMUP = {"cpu": 1, "cuda": 2}
 BENCH_EXTRA_HINT = "pip install 'lmloss[bench]'"
 
 
@@ -94,13 +102,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chunk",
         type=_chunk_list,
-        help="lmloss chunk sizes: integers, 'none', 'auto' (fused only) "
+        help="lmloss chunk sizes: integers, 'none', 'auto' (the ops' own choice) "
         "(default: CPU 1024,none logits; CUDA 1024 logits; auto fused)",
     )
+    cpu_impls = "; ".join(f"{w} {','.join(names)}" for w, names in DEFAULT_IMPLS["cpu"].items())
     p.add_argument(
         "--impl",
         type=_choice_list(ALL_IMPLS),
-        help=f"which impls to run, of {', '.join(ALL_IMPLS)} (default: CPU the README's table's; CUDA all)",
+        help=f"which impls to run, of {', '.join(ALL_IMPLS)} (default: CPU {cpu_impls}; CUDA all)",
     )
     p.add_argument(
         "--kernel",
@@ -109,12 +118,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: CPU torch; CUDA triton,torch)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per configuration (default: 2)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds: runs of each configuration, interleaved with the other rows of its shape "
+        f"(default: CPU {DEFAULT_REPEATS['cpu']}; CUDA {DEFAULT_REPEATS['cuda']})",
+    )
     p.add_argument(
         "--warmup",
         type=int,
-        default=0,
-        help="untimed runs before the timed ones (default: 0; the tracked memory run already goes first)",
+        default=None,
+        help="untimed rounds before them, after the tracked memory run "
+        f"(default: CPU {DEFAULT_WARMUP['cpu']}; CUDA {DEFAULT_WARMUP['cuda']})",
     )
     p.add_argument(
         "--max-memory-mib",
@@ -125,7 +141,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument(
-        "--out", type=Path, default=None, help="write results.json, results.csv and PNG plots here"
+        "--out",
+        type=Path,
+        default=None,
+        help="write results.json, results.csv and PNG plots here (replacing those of an earlier run)",
     )
     p.add_argument("--no-plots", action="store_true", help="with --out, skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -155,8 +174,8 @@ def config_from_args(args: argparse.Namespace):
         impls=impls,
         device=args.device,
         kernels=list(args.kernel or DEFAULT_KERNELS[kind]),
-        repeats=args.repeats,
-        warmup=args.warmup,
+        repeats=DEFAULT_REPEATS[kind] if args.repeats is None else args.repeats,
+        warmup=DEFAULT_WARMUP[kind] if args.warmup is None else args.warmup,
         max_memory_mib=args.max_memory_mib,
         seed=args.seed,
     )
@@ -168,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     from lmloss.bench.report import format_table, write_csv, write_json
     from lmloss.bench.runner import environment, run_sweep
 
-    if args.repeats < 1 or args.warmup < 0:
+    if (args.repeats is not None and args.repeats < 1) or (args.warmup is not None and args.warmup < 0):
         print("lmloss bench: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -182,6 +201,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+        replaced = clear_earlier_run(args.out)
         meta = {
             "environment": environment(config.device),
             "argv": sys.argv[1:],
@@ -201,9 +221,29 @@ def main(args: argparse.Namespace) -> int:
                     f"no plots: {err.name or 'matplotlib'} is not installed ({BENCH_EXTRA_HINT} gives them)"
                 )
         print(f"\nwrote {', '.join(written)} to {args.out}")
+        stale = sorted(set(replaced) - set(written))
+        if stale:
+            print(f"removed an earlier run's {', '.join(stale)} from {args.out}")
         if no_plots:
             print(no_plots)
     return 0
+
+
+def clear_earlier_run(out: Path) -> list[str]:
+    """Delete what an earlier ``lmloss bench --out`` wrote into `out` (results.json, results.csv and PNGs
+    named as `lmloss.bench.plots.plot_name` names them), so that no old plot sits beside new results.
+    Other files are left alone. Returns the names deleted."""
+    from lmloss.bench.plots import PLOT_NAME_PATTERN
+
+    removed = []
+    for path in sorted(out.iterdir()):
+        if path.is_file() and (path.name in RESULT_FILES or PLOT_NAME_PATTERN.fullmatch(path.name)):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+RESULT_FILES = ("results.json", "results.csv")
 
 
 def _config_dict(config) -> dict:

@@ -14,6 +14,8 @@ Each impl computes one *objective*, and is checked against the naive row of the 
 * ``ce``: ``mean_t -log p(y_t)`` (fused workload);
 * ``rl``: ``sum_t u_t log p_T(y_t) + ENTROPY_COEF * sum_t H_T,t`` at temperature ``TEMPERATURE`` with a
   per-token upstream ``u`` (fused workload: what an RL policy loss hands the LM head).
+* ``distill``: ``mean_t KL(p_teacher,t || p_student,t)`` (forward KL, fused workload; the teacher head is
+  derived from the case's tensors, `_teacher_of`); its speed floor is the ``distill-floor`` row (four matmuls).
 """
 
 from __future__ import annotations
@@ -390,6 +392,18 @@ def _liger_ce_step(device: str) -> tuple[Step | None, str | None]:
 
 # ------------------------------------------------------------------------------------------ fused workload
 
+#: Teacher heads of the ``distill`` objective, one per case: ``(hidden, weight)`` derived from the case's
+#: leaves (the student's hidden states, the weight's rows in reverse order), made once outside the timed runs.
+_TEACHERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _teacher_of(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (x.weight.data_ptr(), tuple(x.weight.shape), x.weight.dtype, x.hidden.data_ptr())
+    if key not in _TEACHERS:
+        _TEACHERS.clear()  # one case at a time
+        _TEACHERS[key] = (x.hidden.detach().clone(), x.weight.detach().flip(0).contiguous())
+    return _TEACHERS[key]
+
 
 def _naive_fused(x: Inputs) -> torch.Tensor:
     # The logits are materialized in the input dtype (as a model's LM head does); the loss is taken in fp32.
@@ -479,6 +493,42 @@ def _liger_step(device: str) -> tuple[Step | None, str | None]:
         return loss.detach()
 
     return step, None
+
+
+def _naive_distill(x: Inputs) -> torch.Tensor:
+    """Forward KL(teacher || student) from both heads' materialized logits, fp32, mean over tokens."""
+    t_hidden, t_weight = _teacher_of(x)
+    log_s = F.log_softmax((x.hidden @ x.weight.T).float(), dim=-1)
+    with torch.no_grad():
+        log_t = F.log_softmax((t_hidden @ t_weight.T).float(), dim=-1)
+    loss = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _lmloss_distill(chunk: int | str | None, kwargs: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        t_hidden, t_weight = _teacher_of(x)
+        loss = lmloss.linear_distillation_loss(
+            x.hidden, x.weight, t_hidden, t_weight, x.labels, beta=0.0, chunk_size=chunk, **kwargs
+        )
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _distill_floor(x: Inputs) -> None:
+    """The four matmuls a fused distillation forward+backward must do: both heads' logits, ``G W`` and
+    ``G^T h`` (the student logits stand in for their gradient G): the ``distill`` objective's speed floor."""
+    t_hidden, t_weight = _teacher_of(x)
+    with torch.no_grad():
+        logits = x.hidden @ x.weight.T
+        teacher = t_hidden @ t_weight.T
+        x.hidden.grad = logits @ x.weight
+        x.weight.grad = logits.T @ x.hidden
+        del teacher
+    return None
 
 
 def _matmul_floor(x: Inputs) -> None:
@@ -625,7 +675,7 @@ LOGITS_IMPLS = (
 )  # fmt: skip
 FUSED_IMPLS = (
     "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "compile", "torch-fused", "cce", "liger",
-    "matmul-floor",
+    "matmul-floor", "naive-distill", "fused-distill", "distill-floor",
 )  # fmt: skip
 IMPLS_BY_WORKLOAD = {"logits": LOGITS_IMPLS, "fused": FUSED_IMPLS}
 #: What runs when ``--impl`` is not given: on CPU the sweep of the README's table; on CUDA every row.
@@ -645,8 +695,8 @@ def build_impls(
 ) -> list[Impl]:
     """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels`.
 
-    A naive row comes before the rows checked against it. ``"auto"`` chunking belongs to the fused ops
-    only; for the logits workload it is left out.
+    A naive row comes before the rows checked against it. ``"auto"`` is passed on as ``chunk_size="auto"``
+    (every op's default: its own choice of chunk size).
     """
     out: list[Impl] = []
 
@@ -656,8 +706,6 @@ def build_impls(
             kw = {"impl": kernel, **(extra_kwargs or {})}
             reason = _triton_device_reason(kernel, device)
             for c in chunks:
-                if workload == "logits" and c == "auto":
-                    continue
                 step = None if reason else make(c, kw)
                 out.append(
                     Impl(name, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
@@ -725,6 +773,12 @@ def build_impls(
                 out.append(Impl("liger", "-", *_liger_step(device), objective="ce"))
             elif name == "matmul-floor":
                 out.append(Impl("matmul-floor", "-", _matmul_floor, is_floor=True, objective="-"))
+            elif name == "naive-distill":
+                out.append(Impl(name, "-", _naive_distill, is_reference=True, objective="distill"))
+            elif name == "fused-distill":
+                lmloss_rows(name, "linear_distillation_loss", _lmloss_distill, "distill")
+            elif name == "distill-floor":
+                out.append(Impl(name, "-", _distill_floor, objective="-"))
     return out
 
 

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
+from lmloss.bench.impls import DTYPES, WORKLOADS
 from lmloss.bench.runner import Result
+
+#: The names `plot_results` gives its files (`plot_name`), as a pattern: what `lmloss bench --out` clears of
+#: an earlier run.
+PLOT_NAME_PATTERN = re.compile(rf"({'|'.join(WORKLOADS)})_({'|'.join(DTYPES)})_V\d+(_H\d+)?\.png")
+
+
+def plot_name(workload: str, dtype: str, vocab: int, hidden: int | None) -> str:
+    """``<workload>_<dtype>_V<vocab>[_H<hidden>].png``."""
+    return f"{workload}_{dtype}_V{vocab}" + ("" if hidden is None else f"_H{hidden}") + ".png"
 
 
 def plot_results(rows: list[Result], out_dir: Path) -> list[Path]:
@@ -57,8 +68,7 @@ def plot_results(rows: list[Result], out_dir: Path) -> list[Path]:
         ax_m.set_title(f"{workload} {dtype} {shape}: peak memory")
         ax_m.legend(fontsize=8)
         fig.tight_layout()
-        name = f"{workload}_{dtype}_V{vocab}" + ("" if hidden is None else f"_H{hidden}") + ".png"
-        path = Path(out_dir) / name
+        path = Path(out_dir) / plot_name(workload, dtype, vocab, hidden)
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lmloss.bench.runner import Result
+from lmloss.bench.runner import NOISY_SPREAD, Result
 
 #: Columns of results.csv, in order (every `Result` field; ``times_ms`` joined with ``;``).
 CSV_COLUMNS = [f.name for f in dataclasses.fields(Result)]
@@ -47,9 +47,7 @@ def _mib(value: float | None) -> str:
 
 def _spread(r: Result) -> str:
     """Half the min-max range as a percentage of the median: how far to trust the time column."""
-    if r.time_ms is None or r.time_min_ms is None or r.time_max_ms is None or not r.time_ms:
-        return "-"
-    return f"±{50.0 * (r.time_max_ms - r.time_min_ms) / r.time_ms:.0f}%"
+    return "-" if r.spread is None else f"±{100.0 * r.spread:.0f}%"
 
 
 TABLE_HEADER = (
@@ -62,14 +60,29 @@ NUMERIC_COLUMNS = {"tokens", "vocab", "hidden", "time ms", "spread", "peak MiB",
 OPTIONAL_COLUMNS = {"kernel", "GB/s", "time/floor", "wgrad err"}
 
 
+NOISY_LEGEND = (
+    f"noisy: the spread passes ±{100 * NOISY_SPREAD:.0f}%: times closer than the spread were not told apart "
+    "by this run (rerun on a quieter machine, or with more --repeats)"
+)
+
+
 def format_table(rows: list[Result], *, note_width: int = 60) -> str:
-    """A fixed-width table, one line per row; a blank line between cases. Columns: docs/bench_and_profiling.md."""
+    """A fixed-width table, one line per row; a blank line between cases. Columns: docs/bench_and_profiling.md.
+
+    A note longer than `note_width` is printed in full below the table, as ``[n] <row>: <note>``, with
+    ``see [n]`` in its place: nothing is cut.
+    """
     lines: list[list[str]] = []
     case_of = []
+    footnotes: list[str] = []
     for r in rows:
-        note = r.note if len(r.note) <= note_width else r.note[: note_width - 1] + "…"
+        note = r.note
         if r.check == "FAIL" and r.loss_err is not None:
-            note = f"loss err {r.loss_err:.1e}, grad err {_num(r.grad_err, '.1e')} > {r.tolerance:.0e}"
+            failed = f"loss err {r.loss_err:.1e}, grad err {_num(r.grad_err, '.1e')} > {r.tolerance:.0e}"
+            note = f"{failed}; {note}" if note else failed
+        if len(note) > note_width:
+            footnotes.append(f"[{len(footnotes) + 1}] {r.workload} {r.dtype} T={r.tokens} {r.label}: {note}")
+            note = f"see [{len(footnotes)}]"
         lines.append([
             r.workload, r.dtype, str(r.tokens), str(r.vocab), "-" if r.hidden is None else str(r.hidden),
             r.label, r.kernel, r.status, _num(r.time_ms, ".1f"), _spread(r), _mib(r.peak_mib),
@@ -97,4 +110,8 @@ def format_table(rows: list[Result], *, note_width: int = 60) -> str:
         if i and case_of[i] != case_of[i - 1]:
             text.append("")
         text.append(fmt(line))
+    if footnotes:
+        text += ["", "notes:", *footnotes]
+    if any(r.spread is not None and r.spread > NOISY_SPREAD for r in rows):
+        text += ["", NOISY_LEGEND]
     return "\n".join(text)

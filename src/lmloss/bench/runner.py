@@ -1,5 +1,8 @@
-"""The sweep: for each shape and implementation, one tracked run (peak memory + correctness check), then timed
-runs without the tracker. Out-of-memory, real or simulated, is a result like any other and the sweep goes on.
+"""The sweep: for each shape, every implementation's tracked run (peak memory + correctness check), then the
+timed runs without the tracker, interleaved: warm-up rounds, then timed rounds, each running every row of
+the case once (round k starts k rows further on), so that a cold start, a slow spell of a shared machine or
+the position after another row falls on every row alike. Out-of-memory, real or simulated, is a result
+like any other and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from lmloss.profiling.memory import LiveTensorTracker, MiB, peak_memory
 #: room for a different summation order; bf16/fp16 gradients are stored in the input dtype (8 / 11 bits).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
+#: A row whose spread (half the min-max range of its timed runs over their median) passes this is marked
+#: ``noisy`` in its note: time differences smaller than that are not measured by this run.
+NOISY_SPREAD = 0.10
+
+#: The clock of the timed runs (a module attribute so that tests can drive the rounds with a fake one).
+_clock = time.perf_counter
+
 
 @dataclasses.dataclass
 class SweepConfig:
@@ -48,8 +58,8 @@ class SweepConfig:
     impls: dict[str, list[str]]
     device: str = "cpu"
     kernels: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
-    repeats: int = 3
-    warmup: int = 0
+    repeats: int = 5
+    warmup: int = 1
     max_memory_mib: float | None = None
     seed: int = 0
 
@@ -70,7 +80,8 @@ class Result:
 
     kernel: lmloss's implementation of the per-chunk math (``torch`` / ``triton``), ``-`` for other rows.
     objective: what the loss is (`lmloss.bench.impls`). status: ``ok`` | ``oom`` | ``skipped`` | ``error``.
-    Times are of forward+backward in milliseconds (median, min, max over `repeats`). peak_mib = input_mib +
+    Times are of forward+backward in milliseconds (median, min, max over `repeats`); spread: half the
+    min-max range over the median (a fraction; above `NOISY_SPREAD` the note says ``noisy``). peak_mib = input_mib +
     delta_mib, where delta is the peak above the inputs while the step ran. Ratios are against the naive row
     of the same objective (and, for the fused workload, the matmul floor) of the same case. check: ``ref``
     (a naive row itself), ``ok``, ``FAIL`` (loss or a gradient disagrees with the naive row beyond
@@ -95,6 +106,7 @@ class Result:
     time_min_ms: float | None = None
     time_max_ms: float | None = None
     times_ms: list[float] = dataclasses.field(default_factory=list)
+    spread: float | None = None
     input_mib: float | None = None
     delta_mib: float | None = None
     peak_mib: float | None = None
@@ -203,20 +215,85 @@ def _tracked_run(impl: Impl, inputs: Inputs, case: Case, cap_mib: float | None) 
     return delta, _Outcome(loss, grads)
 
 
-def _timed_runs(impl: Impl, inputs: Inputs, case: Case, repeats: int, warmup: int) -> list[float]:
-    times = []
-    for i in range(warmup + repeats):
-        x = impl.inputs_for_run(inputs)
-        _sync(case.device)
-        start = time.perf_counter()
-        impl.step(x)
-        _sync(case.device)
-        elapsed = time.perf_counter() - start
-        x.reuse()
-        del x
-        if i >= warmup:
-            times.append(elapsed * 1e3)
-    return times
+def _timed_run(impl: Impl, inputs: Inputs, case: Case) -> float:
+    """One forward+backward without the tracker, in milliseconds (CUDA synchronized on both sides)."""
+    x = impl.inputs_for_run(inputs)
+    _sync(case.device)
+    start = _clock()
+    impl.step(x)
+    _sync(case.device)
+    elapsed = _clock() - start
+    x.reuse()
+    return elapsed * 1e3
+
+
+@dataclasses.dataclass
+class _ToTime:
+    """A row that passed its tracked run. own_inputs: it wrote into the shared inputs undeclared, so each of
+    its runs gets a copy."""
+
+    row: Result
+    impl: Impl
+    own_inputs: bool = False
+
+
+def _append_note(row: Result, text: str) -> None:
+    row.note = f"{row.note}; {text}" if row.note else text
+
+
+def _wrote_into(inputs: Inputs, versions: dict[str, int]) -> bool:
+    return any(t._version != versions[k] for k, t in inputs.leaves.items())
+
+
+def _timed_rounds(
+    entries: list[_ToTime], inputs: Inputs, case: Case, config: SweepConfig, progress=None
+) -> int:
+    """`config.warmup` untimed rounds, then `config.repeats` timed ones; each runs every row once, round k
+    starting at row k (mod the rows). A row that raises drops out with its status and note. Returns how
+    many runs were made."""
+    if not entries:
+        return 0
+    rounds = config.warmup + config.repeats
+    total = 0
+    versions = {k: t._version for k, t in inputs.leaves.items()}
+    for k in range(rounds):
+        order = entries[k % len(entries) :] + entries[: k % len(entries)]
+        ran = 0
+        for entry in order:
+            if entry.row.status != "ok":
+                continue
+            try:
+                elapsed = _timed_run(entry.impl, inputs.fresh() if entry.own_inputs else inputs, case)
+            except Exception as err:
+                entry.row.status = "oom" if _is_oom(err) else "error"
+                _append_note(entry.row, f"in a timed run: {type(err).__name__}: {err}")
+                entry.row.times_ms = []
+                _free(case.device)
+                continue
+            ran += 1
+            if k >= config.warmup:
+                entry.row.times_ms.append(elapsed)
+            if _wrote_into(inputs, versions):  # an undeclared in-place write, seen only now
+                _append_note(entry.row, "wrote into its inputs (undeclared)")
+                entry.own_inputs = True
+                inputs = make_inputs(case, config.seed)
+                versions = {name: t._version for name, t in inputs.leaves.items()}
+        if progress is not None:
+            what = "warm-up" if k < config.warmup else "timed"
+            n, of = (k + 1, config.warmup) if k < config.warmup else (k + 1 - config.warmup, config.repeats)
+            progress.set_postfix_str(f"{case.workload} {case.dtype} T={case.tokens} {what} round {n}/{of}")
+            progress.update(ran)
+        total += ran
+    for entry in entries:
+        row = entry.row
+        if row.status != "ok" or not row.times_ms:
+            continue
+        row.time_ms = statistics.median(row.times_ms)
+        row.time_min_ms, row.time_max_ms = min(row.times_ms), max(row.times_ms)
+        row.spread = (row.time_max_ms - row.time_min_ms) / 2 / row.time_ms if row.time_ms > 0 else None
+        if row.spread is not None and row.spread > NOISY_SPREAD:
+            _append_note(row, f"noisy: ±{100 * row.spread:.0f}% > ±{100 * NOISY_SPREAD:.0f}%")
+    return total
 
 
 def _check(row: Result, outcome: _Outcome, ref: _Outcome | None, tol: float) -> None:
@@ -266,9 +343,11 @@ class _WeightGradReference:
 
 
 def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) -> list[Result]:
-    """All impls on one case. Inputs are built once and reused (gradients cleared) by every run, except
-    that an impl which writes into its inputs gets fresh copies."""
+    """All impls on one case: each one's tracked run in turn, then the interleaved timed rounds
+    (`_timed_rounds`). Inputs are built once and reused (gradients cleared) by every run, except that an
+    impl which writes into its inputs gets fresh copies."""
     rows: list[Result] = []
+    to_time: list[_ToTime] = []
     inputs = make_inputs(case, config.seed)
     refs: dict[str, _Outcome] = {}  # objective -> the outcome of its naive row
     tol = TOLERANCE[case.dtype]
@@ -302,24 +381,30 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
                         rounded = relative_norm_error(wgrad_ref.grad64.to(case.torch_dtype), wgrad_ref.grad64)
                         row.note = f"dW64 rounded once to {case.dtype}: wgrad err {rounded:.2e}"
                 del outcome
-                _free(case.device)
-                row.times_ms = _timed_runs(impl, inputs, case, config.repeats, config.warmup)
-                row.time_ms = statistics.median(row.times_ms)
-                row.time_min_ms, row.time_max_ms = min(row.times_ms), max(row.times_ms)
+                to_time.append(_ToTime(row, impl))
             except Exception as err:
                 if _is_oom(err):
                     row.status, row.note = "oom", f"{type(err).__name__}: {err}"
                 else:
                     row.status, row.note = "error", f"{type(err).__name__}: {err}"
             _free(case.device)
-        if any(t._version != versions[k] for k, t in inputs.leaves.items()):
-            # An in-place write the impl did not declare: the timed runs after the first saw other values,
-            # and later impls must not, so say so and start again from clean inputs.
-            row.note = (row.note + "; " if row.note else "") + "wrote into its inputs (undeclared)"
+        if _wrote_into(inputs, versions):
+            # An in-place write the impl did not declare: later impls must not see it, and its own timed runs
+            # get copies, so say so and start again from clean inputs.
+            _append_note(row, "wrote into its inputs (undeclared)")
+            if to_time and to_time[-1].row is row:
+                to_time[-1].own_inputs = True
             inputs = make_inputs(case, config.seed)
         if progress is not None:
             progress.update(1)
-    del refs, inputs, wgrad_ref
+    del refs, wgrad_ref
+    _free(case.device)
+    ran = _timed_rounds(to_time, inputs, case, config, progress)
+    if progress is not None:  # the runs of rows that failed before or during their rounds: count them done
+        missed = sum(config.warmup + config.repeats for i in impls if i.step is not None) - ran
+        if missed > 0:
+            progress.update(missed)
+    del inputs
     _add_ratios(rows)
     return rows
 
@@ -378,7 +463,8 @@ def run_sweep(config: SweepConfig, *, show_progress: bool = True) -> list[Result
             config.kernels,
         )  # fmt: skip
         plan.append((case, impls))
-    total = sum(len(impls) for _, impls in plan)
+    runs = 1 + config.warmup + config.repeats  # per row: its tracked run, then one in each round
+    total = sum(runs if impl.step is not None else 1 for _, impls in plan for impl in impls)
     progress = _progress(total) if show_progress else None
     rows: list[Result] = []
     try:
@@ -407,4 +493,6 @@ def environment(device: str) -> dict[str, object]:
     return env
 
 
-__all__ = ["Result", "SimulatedOOM", "SweepConfig", "TOLERANCE", "WORKLOADS", "environment", "run_sweep"]
+__all__ = [
+    "NOISY_SPREAD", "Result", "SimulatedOOM", "SweepConfig", "TOLERANCE", "WORKLOADS", "environment", "run_sweep",
+]  # fmt: skip

@@ -1,10 +1,17 @@
 """Hugging Face ``transformers``: compute a causal LM's loss with lmloss's fused head, inside its own forward.
 
 ``patch(model)`` replaces the forward of one ``*ForCausalLM`` instance (a decoder body plus an ``lm_head``:
-Llama, Qwen2, Qwen3, Gemma2, Mistral, ...). With ``labels`` the patched forward runs the body, then
-`lmloss.linear_cross_entropy` on the last hidden states and the head's weight: the loss and every gradient
-are those of unpatched transformers, and no ``[tokens, vocab]`` logits tensor is made (``logits`` is None in
-the output). Without labels the original forward runs and returns logits as before (``generate`` works).
+Llama, Qwen2, Qwen3, Gemma2, Mistral, ...). In training mode with ``labels`` the patched forward runs the
+body, then `lmloss.linear_cross_entropy` on the last hidden states and the head's weight: the loss and
+every gradient are those of unpatched transformers, and no ``[tokens, vocab]`` logits tensor is made
+(``logits`` is None in the output). Without labels, and in eval mode (``Trainer.evaluate`` / ``predict``),
+the original forward runs and returns logits as before (``generate`` and ``compute_metrics`` work).
+
+The patch reproduces only heads it knows: ``lm_head(hidden)`` and the transforms `head_transform` reads
+from the config (softcaps, logit multipliers), checked at patch time by one 8-token forward against the
+unpatched model. Anything else (seq2seq decoders, heads of several layers, unknown transforms) raises a
+``ValueError`` naming the class and the reason; docs/use_in_your_stack.md lists the classes of the
+transformers release tested.
 
 Two things make it work under FSDP2 (``fully_shard``) unchanged:
 
@@ -23,6 +30,7 @@ temperature, from `lmloss.linear_token_logprobs`, run inside the root forward.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,16 +39,44 @@ import torch.nn.functional as F
 
 import lmloss
 
-__all__ = ["is_patched", "patch", "token_logprobs", "unpatch"]
+__all__ = ["HeadTransform", "head_transform", "is_patched", "patch", "token_logprobs", "unpatch"]
 
 _STATE_ATTR = "_lmloss_hf_patch"
 # Keyword arguments that belong to the loss (transformers' ForCausalLMLoss), not to the decoder body.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
-# Config fields of causal LMs that change the logits in ways this patch does not reproduce.
-_UNSUPPORTED_CONFIG = {
-    "logit_scale": "Cohere-style logit scaling",
-    "logits_scaling": "Granite-style logit scaling",
-}
+# Config fields (on the model's config or its text config) that soft-cap the head's output,
+# ``c * tanh(z / c)``: Gemma 2 / 3 / 4 and the VLMs built on them (PaliGemma...), RecurrentGemma, xLSTM.
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+# Config fields that multiply the logits by a constant: (field, where it applies, direction). "before the
+# softcap" factors scale ``z`` inside the tanh; "after" ones scale the capped logits. The direction is
+# how the model uses the value (checked against each model's forward in the class sweep of the tests).
+_SCALE_FIELDS = (
+    ("output_multiplier", "before", "multiply"),  # MuseGlimmer / MuseSpark: c * tanh(z * m / c)
+    ("logits_mup_width_multiplier", "before", "divide"),  # Inkling: the hidden states / m, then the head
+    ("logit_scale", "after", "multiply"),  # Cohere, Cohere2, CohereCompass
+    ("logits_scaling", "after", "divide"),  # Granite family (HyperCLOVAX multiplies: below)
+    ("lm_head_multiplier", "after", "multiply"),  # FalconH1
+)
+# model_type -> field whose value that model multiplies by although the field's usual direction divides.
+_MULTIPLIES_INSTEAD = {"hyperclovax": "logits_scaling", "hyperclovax_vision_v2": "logits_scaling"}
+# model_type -> field its config carries but its transformers forward does not apply (MPT's logit_scale).
+_IGNORED_BY_MODEL = {"mpt": "logit_scale"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTransform:
+    """What a model does to its head's output ``z = lm_head(hidden)`` to get its logits, in lmloss's terms:
+    ``logits = scale * softcap(z)`` with ``softcap(z) = c * tanh(z / c)`` (none when `softcap` is None).
+    The fused op runs it as ``softcap=softcap, temperature=1 / scale`` (one more division by the caller's
+    temperature in `token_logprobs`)."""
+
+    softcap: float | None = None
+    scale: float = 1.0
+    source: str = "lm_head(hidden)"  # the config fields it came from, for messages and the docs
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,37 +85,89 @@ class _PatchState:
 
     instance_forward: Callable | None  # a forward set on the instance before patching (None: the class's)
     options: dict[str, Any]  # keyword arguments for lmloss.linear_cross_entropy
+    transform: HeadTransform
+    logits_in_eval: bool
 
 
-def _softcap(model: torch.nn.Module) -> float | None:
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return None if cap is None else float(cap)
+def _config_value(model: torch.nn.Module, field: str) -> Any:
+    """`field` from the model's config, else from its text config (VLMs keep the LM's fields there)."""
+    config = model.config
+    value = getattr(config, field, None)
+    if value is None and hasattr(config, "get_text_config"):
+        try:
+            value = getattr(config.get_text_config(decoder=True), field, None)
+        except ValueError:  # several text configs: ambiguous, so none is read
+            value = None
+    return value
 
 
-def _check_supported(model: torch.nn.Module) -> None:
-    """Raise if `model` is not a decoder body plus a linear head whose logits this patch reproduces."""
+def _body(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder body: ``model.base_model``, or ``model.model`` where ``base_model_prefix`` names another
+    attribute (Llama 4's text model); None when there is neither."""
+    body = getattr(model, "base_model", None)
+    if body is None or body is model:
+        body = getattr(model, "model", None)
+    return body if isinstance(body, torch.nn.Module) and body is not model else None
+
+
+def _refuse(model: torch.nn.Module, reason: str) -> ValueError:
+    return ValueError(f"lmloss.integrations.hf cannot reproduce {type(model).__name__}'s loss: {reason}")
+
+
+def head_transform(model: torch.nn.Module) -> HeadTransform:
+    """The transform between `model`'s ``lm_head`` output and its logits, read from its config.
+
+    Raises:
+        ValueError: naming the model class and the reason, when the model is not a decoder body plus a
+            linear head (an encoder-decoder model, a head that is not one ``[vocab, hidden]`` matrix) or its
+            config asks for something lmloss does not compute (a router auxiliary loss, a negative scale).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "base_model") or model.base_model is model:
-        raise TypeError(
-            f"model must be a transformers *ForCausalLM with a decoder body and an lm_head, got "
-            f"{type(model).__name__}"
+    if config is None or _body(model) is None:
+        raise _refuse(model, "it is not a *ForCausalLM with a decoder body (model.base_model) and an lm_head")
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(
+            model, "it is an encoder-decoder (seq2seq) model; only decoder-only causal LMs are patched"
         )
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(
-            f"{type(model).__name__} has no linear output head (get_output_embeddings() gave "
-            f"{type(head).__name__}); lmloss's fused head needs a [vocab, hidden] weight"
+        raise _refuse(
+            model,
+            f"it has no linear output head (get_output_embeddings() gave {type(head).__name__}); the fused "
+            "head needs one [vocab, hidden] weight",
         )
-    for name, what in _UNSUPPORTED_CONFIG.items():
-        value = getattr(config, name, None)
-        if value is not None and float(value) != 1.0:
-            raise NotImplementedError(f"{type(model).__name__} uses {what} (config.{name}={value})")
     if getattr(config, "output_router_logits", False):
-        raise NotImplementedError(
-            f"{type(model).__name__} adds a router auxiliary loss (config.output_router_logits=True), "
-            "which this patch does not compute"
-        )
+        raise _refuse(model, "it adds a router auxiliary loss (config.output_router_logits=True)")
+    fields, softcap, before, after = [], None, 1.0, 1.0
+    for field in _SOFTCAP_FIELDS:
+        value = _config_value(model, field)
+        if value:  # None or 0: no cap
+            softcap = float(value)
+            fields.append(f"{field}={value}")
+            break
+    model_type = getattr(config, "model_type", None)
+    for field, where, direction in _SCALE_FIELDS:
+        value = _config_value(model, field)
+        if value is None or isinstance(value, bool) or _IGNORED_BY_MODEL.get(model_type) == field:
+            continue
+        value = float(value)
+        if not (value > 0 and math.isfinite(value)):
+            raise _refuse(model, f"config.{field}={value} is not a positive finite scale")
+        if field == "logits_mup_width_multiplier" and getattr(head, "bias", None) is not None:
+            raise _refuse(model, f"config.{field} scales the hidden states before a head with a bias")
+        multiply = direction == "multiply" or _MULTIPLIES_INSTEAD.get(model_type) == field
+        factor = value if multiply else 1.0 / value
+        if where == "before":
+            before *= factor
+        else:
+            after *= factor
+        fields.append(f"{field}={value}")
+    if softcap is not None:  # c * tanh(b * z / c) == b * (c / b) * tanh(z / (c / b))
+        softcap /= before
+    return HeadTransform(softcap=softcap, scale=before * after, source=", ".join(fields) or "lm_head(hidden)")
 
 
 def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -99,11 +187,6 @@ def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **
             module.forward = saved
         else:
             del module.forward
-
-
-def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """transformers' causal shift: position ``i`` predicts ``labels[..., i + 1]``; the last predicts nothing."""
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -135,10 +218,11 @@ def _fused_loss(
     *,
     num_items_in_batch: torch.Tensor | int | None,
     ignore_index: int,
-    softcap: float | None,
+    transform: HeadTransform,
     options: dict[str, Any],
 ) -> torch.Tensor:
-    """The head's forward while patched: transformers' ``ForCausalLMLoss`` of ``head(hidden)``, fused.
+    """The head's forward while patched: transformers' ``ForCausalLMLoss`` of the model's logits
+    (``transform`` of ``head(hidden)``), fused.
 
     `options`: `patch`'s keyword arguments for `lmloss.linear_cross_entropy` (chunk_size, impl, ...)."""
     hidden, weight, bias, device_type = _head_inputs(hidden, head)
@@ -146,13 +230,17 @@ def _fused_loss(
     with torch.autocast(device_type, enabled=False):  # dtypes are settled; the op runs its own GEMMs
         loss = lmloss.linear_cross_entropy(
             hidden, weight, targets.to(hidden.device), bias=bias, ignore_index=ignore_index,
-            reduction=reduction, softcap=softcap, **options,
+            reduction=reduction, softcap=transform.softcap, temperature=transform.temperature, **options,
         )  # fmt: skip
     if num_items_in_batch is not None:  # Trainer's gradient accumulation: sum over the global count
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def _original_forward(model: torch.nn.Module, state: _PatchState) -> Callable[..., Any]:
+    return state.instance_forward or type(model).forward.__get__(model, type(model))
 
 
 def _patched_forward(
@@ -167,43 +255,58 @@ def _patched_forward(
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs: Any,
 ):
-    """A ``*ForCausalLM`` forward: with ``labels`` (or ``shift_labels``) the loss comes from lmloss's fused
-    head and ``logits`` is None; without them, the model's original forward runs."""
+    """A ``*ForCausalLM`` forward: in training mode with ``labels`` (or ``shift_labels``) the loss comes from
+    lmloss's fused head and ``logits`` is None; without labels, or in eval mode (``Trainer.evaluate`` /
+    ``predict``, unless ``patch(..., logits_in_eval=False)``), the model's original forward runs."""
     state: _PatchState = getattr(self, _STATE_ATTR)
-    if labels is None and kwargs.get("shift_labels") is None:
-        original = state.instance_forward or type(self).forward.__get__(self, type(self))
-        return original(
+    no_labels = labels is None and kwargs.get("shift_labels") is None
+    if no_labels or (not self.training and state.logits_in_eval):
+        return _original_forward(self, state)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, **kwargs,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
         )  # fmt: skip
+    return _fused_forward(
+        self, state, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+        logits_to_keep=logits_to_keep, **kwargs,
+    )  # fmt: skip
+
+
+def _fused_forward(
+    model: torch.nn.Module,
+    state: _PatchState,
+    *,
+    labels: torch.Tensor | None,
+    logits_to_keep: int | torch.Tensor,
+    **kwargs: Any,
+):
+    """The body, then the fused loss through ``lm_head``: a ``CausalLMOutputWithPast`` with ``logits=None``,
+    or with ``return_dict=False`` the tuple transformers returns with ``None`` in the logits slot."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if kwargs.get("output_router_logits"):
-        raise NotImplementedError("output_router_logits=True: the router auxiliary loss is not computed here")
+        raise _refuse(model, "output_router_logits=True asks for a router auxiliary loss")
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
-        return_dict = getattr(self.config, "return_dict", True)
+        return_dict = getattr(model.config, "return_dict", True)
     loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
     ignore_index = loss_kwargs.get("ignore_index", -100)
-
-    outputs = self.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-    )  # fmt: skip
-    hidden = _keep(outputs.last_hidden_state, logits_to_keep)
+    # Only the arguments given: bodies without attention masks or caches (Mamba, RWKV) take what they know.
+    outputs = _body(model)(**{k: v for k, v in kwargs.items() if v is not None})
+    hidden = _keep(outputs[0], logits_to_keep)
     targets = loss_kwargs.get("shift_labels")
     if targets is None:
-        targets = _shift(labels, ignore_index)
+        targets = lmloss.packing.shift_labels(labels, ignore_index=ignore_index)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"labels give targets of shape {tuple(targets.shape)} but the model kept hidden states "
             f"{tuple(hidden.shape[:-1])} (logits_to_keep={logits_to_keep!r})"
         )
     loss = call_through(
-        self.get_output_embeddings(), _fused_loss, hidden, targets,
+        model.get_output_embeddings(), _fused_loss, hidden, targets,
         num_items_in_batch=loss_kwargs.get("num_items_in_batch"), ignore_index=ignore_index,
-        softcap=_softcap(self), options=state.options,
+        transform=state.transform, options=state.options,
     )  # fmt: skip
     out = CausalLMOutputWithPast(
         loss=loss,
@@ -212,7 +315,88 @@ def _patched_forward(
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # ModelOutput.to_tuple() drops None fields: without the logits everything after the loss would move one
+    # place up. Keep transformers' layout, (loss, logits, past_key_values, ...), with None for the logits.
+    return (loss, None, *out.to_tuple()[1:])
+
+
+def _verify(model: torch.nn.Module, state: _PatchState) -> None:
+    """One tiny forward (8 tokens, eval mode, no gradient) of the unpatched model against the patch.
+
+    Checks that the model's logits are ``state.transform`` of its head applied to its body's last hidden
+    state, and that the fused loss equals the model's own loss (the label shift, the body call). Raises
+    `ValueError` naming the class and what differs."""
+    head = model.get_output_embeddings()
+    device = head.weight.device
+    if device.type == "meta":
+        raise _refuse(model, "its weights are on the meta device, so the patch cannot be verified; load "
+                      "them first or pass verify=False")  # fmt: skip
+    embeddings = model.get_input_embeddings()
+    vocab = min(head.weight.shape[0], getattr(embeddings, "num_embeddings", head.weight.shape[0]))
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                # through the module's call, so that its hooks (FSDP2's) fire around the original forward
+                want = call_through(
+                    model, lambda m, **kw: _original_forward(m, state)(**kw), input_ids=ids, labels=ids,
+                    use_cache=False,
+                )  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - any failure of the model's own forward
+                raise _refuse(model, f"its forward failed on a check input ({type(err).__name__}: {err}); "
+                              "pass verify=False to patch without the check") from err  # fmt: skip
+            if getattr(want, "logits", None) is None or getattr(want, "loss", None) is None:
+                raise _refuse(model, "its forward gave no logits or no loss to check against")
+            # as the root module's forward: FSDP2 gathers the parameters, whichever unit holds the head
+            z, got = call_through(model, _check_outputs, ids, state)
+            t = state.transform
+            expected = (z if t.softcap is None else t.softcap * torch.tanh(z / t.softcap)) * t.scale
+            logits = want.logits.float()
+            # a 16-bit head rounds its logits (and the model's transform of them) to 8 or 11 bits
+            tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 3e-2
+            if logits.shape != expected.shape or not torch.allclose(logits, expected, rtol=tol, atol=tol):
+                diff = (logits - expected).abs().max().item() if logits.shape == expected.shape else "shape"
+                raise _refuse(
+                    model,
+                    f"its logits are not {_describe(t)} of its output embedding applied to its body's last "
+                    f"hidden state (max difference {diff}): its head has more layers than one linear map, or "
+                    "its forward transforms the logits in a way lmloss does not know",
+                )
+            if not torch.allclose(got.float(), want.loss.float(), rtol=tol, atol=tol):
+                raise _refuse(
+                    model,
+                    f"its own loss is {want.loss.item():.6f} and the fused one {got.item():.6f} on a check "
+                    "input: its loss is not the mean next-token cross-entropy of its logits",
+                )
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def _check_outputs(model: torch.nn.Module, ids: torch.Tensor, state: _PatchState):
+    """`_verify`'s side, run as the root module's forward: the head's raw output ``z`` (fp32) on the body's
+    last hidden state, and the fused loss of the shifted `ids`."""
+    head = model.get_output_embeddings()
+    hidden = _body(model)(input_ids=ids, use_cache=False)[0]
+    if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.weight.shape[-1]:
+        raise _refuse(model, f"its body's output does not fit its output embedding "
+                      f"{tuple(head.weight.shape)}: the head has more than one layer")  # fmt: skip
+    z = call_through(head, lambda m, h: type(m).forward(m, h), hidden).float()
+    loss = call_through(
+        head, _fused_loss, hidden, lmloss.packing.shift_labels(ids), num_items_in_batch=None,
+        ignore_index=-100, transform=state.transform, options=state.options,
+    )  # fmt: skip
+    return z, loss
+
+
+def _describe(t: HeadTransform) -> str:
+    if t.source == "lm_head(hidden)":
+        return "the identity"
+    return f"scale * softcap (softcap={t.softcap}, scale={t.scale:g}, from config {t.source})"
 
 
 def patch(
@@ -221,17 +405,23 @@ def patch(
     chunk_size: int | str | None = "auto",
     impl: str = "auto",
     weight_grad_dtype: torch.dtype = torch.float32,
+    logits_in_eval: bool = True,
+    verify: bool = True,
 ) -> torch.nn.Module:
-    """Make `model` (a ``transformers`` ``*ForCausalLM``) compute its loss with lmloss's fused head.
+    """Make `model` (a ``transformers`` ``*ForCausalLM``) compute its training loss with lmloss's fused head.
 
-    After ``patch(model)``, ``model(input_ids, attention_mask=..., labels=...)`` returns the loss of
-    transformers' ``ForCausalLMLoss`` (labels shifted inside, ``ignore_index`` from the keyword, default
-    -100; ``shift_labels=`` taken as already shifted; ``num_items_in_batch`` divides the summed loss, as
-    ``Trainer`` does under gradient accumulation; ``logits_to_keep`` slices the hidden states first) and
-    the same gradients, with ``logits=None``: no ``[tokens, vocab]`` tensor is made. Tied embeddings,
-    bf16 / fp16, autocast and ``final_logit_softcapping`` (Gemma 2) are handled. Without ``labels`` the
-    model's original forward runs. ``transformers.Trainer`` needs no change (TRL's ``SFTTrainer`` computes
-    metrics from ``outputs.logits``: see docs/use_in_your_stack.md).
+    After ``patch(model)``, in training mode ``model(input_ids, attention_mask=..., labels=...)`` returns the
+    loss of transformers' ``ForCausalLMLoss`` (labels shifted inside, ``ignore_index`` from the keyword,
+    default -100; ``shift_labels=`` taken as already shifted; ``num_items_in_batch`` divides the summed
+    loss, as ``Trainer`` does under gradient accumulation; ``logits_to_keep`` slices the hidden states
+    first) and the same gradients, with ``logits=None``: no ``[tokens, vocab]`` tensor is made.
+    ``return_dict=False`` gives transformers' tuple with ``None`` in the logits slot. Tied embeddings,
+    bf16 / fp16, autocast, a final-logit softcap and logit multipliers (`head_transform`) are handled.
+
+    Logits where a caller needs them: without ``labels``, and in eval mode (``model.eval()``, which
+    ``Trainer.evaluate`` / ``predict`` set), the model's original forward runs and returns its logits (and
+    its own loss), so ``generate``, ``compute_metrics`` and ``predict`` work unchanged.
+    ``logits_in_eval=False`` keeps the fused loss (no logits) in eval mode too.
 
     One difference: a batch whose every label is ignored gives loss 0.0 (transformers gives NaN).
 
@@ -239,25 +429,35 @@ def patch(
     `unpatch` restores the original forward.
 
     Args:
-        model: a ``PreTrainedModel`` with a decoder body (``model.base_model``) and a linear
+        model: a ``PreTrainedModel`` with a decoder body (``model.base_model`` or ``model.model``) and a linear
             ``lm_head`` (``model.get_output_embeddings()``), optionally already wrapped by FSDP2's
-            ``fully_shard``.
+            ``fully_shard`` (then every rank must call `patch`: the check below runs a forward).
         chunk_size, impl, weight_grad_dtype: `lmloss.linear_cross_entropy`'s arguments, used for every
             loss the patched model computes.
+        logits_in_eval: in eval mode, run the original forward (logits and transformers' loss).
+        verify: run one forward of 8 tokens of the unpatched model in eval mode at patch time, and refuse
+            the patch unless the model's logits are the transform lmloss applies and its loss equals the
+            fused one. ``False`` skips it (weights not loaded yet); the config checks still run.
 
     Returns:
         `model` itself.
 
     Raises:
-        TypeError: `model` has no decoder body or no linear head.
-        NotImplementedError: the model changes its logits in a way not reproduced here (logit scaling,
-            a router auxiliary loss).
+        ValueError: naming the model class and the reason, when the patch would not reproduce the model's
+            loss: an encoder-decoder model, no linear head, a router auxiliary loss, or (with `verify`)
+            logits or a loss that differ from the fused ones.
+        TypeError: `model` is not a module.
     """
     if is_patched(model):
         return model
-    _check_supported(model)
+    transform = head_transform(model)
     options = dict(chunk_size=chunk_size, impl=impl, weight_grad_dtype=weight_grad_dtype)
-    state = _PatchState(instance_forward=model.__dict__.get("forward"), options=options)
+    state = _PatchState(
+        instance_forward=model.__dict__.get("forward"), options=options, transform=transform,
+        logits_in_eval=bool(logits_in_eval),
+    )  # fmt: skip
+    if verify:
+        _verify(model, state)
     setattr(model, _STATE_ATTR, state)
     model.forward = _patched_forward.__get__(model, type(model))
     return model
@@ -278,7 +478,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether `patch` has been applied to this model instance."""
-    return _STATE_ATTR in model.__dict__
+    return _STATE_ATTR in getattr(model, "__dict__", {})
 
 
 def _score(
@@ -293,12 +493,13 @@ def _score(
     model_kwargs: dict[str, Any],
 ):
     """The root module's forward during `token_logprobs`: body, then the fused head through ``lm_head``."""
-    outputs = model.base_model(input_ids=input_ids, use_cache=False, **model_kwargs)
-    hidden = outputs.last_hidden_state[:, :-1]
+    outputs = _body(model)(input_ids=input_ids, use_cache=False, **model_kwargs)
+    hidden = outputs[0][:, :-1]
+    transform = state.transform if (state := model.__dict__.get(_STATE_ATTR)) else head_transform(model)
     return call_through(
-        model.get_output_embeddings(), _fused_logprobs, hidden, targets[:, 1:], temperature=temperature,
-        return_entropy=return_entropy, ignore_index=ignore_index, softcap=_softcap(model),
-        chunk_size=chunk_size,
+        model.get_output_embeddings(), _fused_logprobs, hidden, targets[:, 1:],
+        temperature=temperature * transform.temperature, return_entropy=return_entropy,
+        ignore_index=ignore_index, softcap=transform.softcap, chunk_size=chunk_size,
     )  # fmt: skip
 
 
@@ -335,7 +536,7 @@ def token_logprobs(
         labels: int64 ``[B, S]``, the token scored at each position (``ignore_index`` = not scored).
             Default: `input_ids`, with positions where ``attention_mask == 0`` ignored.
         attention_mask: ``[B, S]`` passed to the model (padding).
-        temperature: the logits are divided by it (after the model's softcap, if any).
+        temperature: the model's logits (after its softcap and multipliers, if any) are divided by it.
         return_entropy: also return the entropy of each position's next-token distribution.
         model_kwargs: more keyword arguments for the decoder body (e.g. ``position_ids``).
 
@@ -346,7 +547,7 @@ def token_logprobs(
         ``entropy[:, t]`` is the entropy of that same distribution (0.0 at ``t = 0``; mask it with your
         response mask).
     """
-    _check_supported(model)
+    head_transform(model)  # refuses what the fused head cannot reproduce, before any forward
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     if labels is None:

@@ -24,9 +24,44 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 
     g_j = a * p_j + d * p_j * (logp_j + H) + b * [j == label] + c,   then times dy/dx (scale, softcap)
 
-where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
-whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
+where a term whose coefficient is 0 adds exactly 0 (the Triton kernels guarantee it for the ``p`` terms
+through the row: in a row with ``a == d == 0`` its lse takes no part, nor H where ``d == 0``; the
+logits themselves are then finite in every row the ops produce), ``p * (logp + H)`` is 0 where ``p == 0``,
+and a row whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
+
+The scalar-loss paths (``reduction="sum" / "mean"`` with the gradient computed in the forward) fold the
+reduction's factor into the gradient there: ``grad_scale`` (a 0-d device tensor, ``1 / count`` for a mean)
+multiplies the per-token upstream, so the gradient comes out already scaled and no host sync is needed.
+The backward then multiplies by the upstream scalar with `scale_`, which does nothing over the gradient
+when that upstream is exactly 1.0 (the common ``loss.backward()``), and `scaled_cast` scales and casts in
+one pass.
+
+**Two distributions** (the student / teacher divergences of `lmloss.distill`). For a student chunk ``xs``
+and a teacher chunk ``xt`` (the same ``[c, V_local]`` columns; the teacher may have another float dtype)
+with their global log-sum-exps ``lse [c, 2]`` (student, teacher; from `softmax_partials` of each, combined),
+write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the valid columns and
+``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
+lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
+
+``lse`` may be None, where ``normalises_rows`` is True, for one process whose columns are all valid:
+the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), with no separate statistics pass.
+
+``divergence_partials(xs, xt, lse, math, beta, *, overwrite) -> [c, 2]`` per-row sums over this shard:
+
+    beta == 0:      0: sum p_t (lt - ls)                 1: 0
+    beta == 1:      0: sum p_s (ls - lt)                 1: 0
+    otherwise:      0: sum p_t (lt - log m)              1: sum p_s (ls - log m)
+
+``divergence_grad_(xs, xt, lse, coef, math, beta, out, *, overwrite) -> out`` writes, from per-row
+``coef [c, 2]`` = (weight ``w``, ``S``: from the global sums, `lmloss.distill.divergence_rows`),
+``out = w * scale * g`` with ``g = p_s - p_t`` (beta 0), ``p_s (ls - lt - S)`` (beta 1),
+``p_s ((1 - beta)(ls - log m) - S)`` (otherwise); padded columns and rows with ``w == 0`` get exactly 0.
+``divergence_partials_then_grad_(xs, xt, lse, math, beta, finish, out, *, overwrite) -> result`` does both,
+calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
+scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`
+and `lmloss.kernels.triton_distill` (``normalises_rows``: whether ``lse=None`` is supported; PyTorch only).
+A sparse teacher needs only the single-distribution contract above.
 
 Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softmax_grad_`` and
 ``partials_then_grad_`` take an optional ``keep_min [c]`` (y's dtype). A valid column with
@@ -100,6 +135,35 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
     return impl
 
 
+def scale_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t *= factor`` in place for a 0-d `factor`, touching nothing of `t` when ``factor == 1.0`` exactly.
+
+    No host sync on CUDA: a Triton kernel reads `factor` on the device and its programs load and store
+    nothing when it is 1 (without triton, or for a non-contiguous `t`, a plain ``mul_``). Off CUDA the
+    value is read on the host, which costs no sync there.
+    """
+    if t.device.type == "cuda" and factor.device.type == "cuda":
+        if triton_available() and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            from lmloss.kernels.triton_kernels import scale_by_device_scalar_
+
+            return scale_by_device_scalar_(t, factor)
+        return t.mul_(factor)
+    if torch.compiler.is_compiling() or factor.item() != 1.0:
+        t.mul_(factor)
+    return t
+
+
+def scaled_cast(t: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(t * factor).to(dtype)`` in one pass over `t` (`t` itself, scaled in place, when it has `dtype`);
+    `factor` 0-d or None (no scaling)."""
+    if factor is None:
+        return t.to(dtype)
+    if t.dtype == dtype:
+        return scale_(t, factor)
+    # mul with out= of a narrower float dtype computes in t's precision and rounds once on the store
+    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
 def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
     """The kernels object for one pass over the chunks (it may hold chunk-sized scratch buffers)."""
     if impl == "triton":
@@ -109,3 +173,16 @@ def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
     from lmloss.kernels.torch_ref import TorchKernels
 
     return TorchKernels(max_rows, cols, device)
+
+
+def make_distill_kernels(impl: str, max_rows: int, cols: int, device: torch.device, *, scratch=None):
+    """The two-distribution kernels for one pass (see the contract above). `scratch` (PyTorch): the
+    single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    if impl == "triton":
+        from lmloss.kernels.triton_distill import TritonDistillKernels
+
+        return TritonDistillKernels()
+    from lmloss.kernels.torch_distill import TorchDistillKernels
+    from lmloss.kernels.torch_ref import ChunkScratch
+
+    return TorchDistillKernels(scratch if scratch is not None else ChunkScratch(max_rows, cols, device))

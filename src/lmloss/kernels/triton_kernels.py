@@ -4,14 +4,25 @@ Same contract as ``lmloss.kernels.torch_ref``; see ``lmloss.kernels`` for ``Chun
 ``x [c, V_local]`` (fp32 / bf16 / fp16, ``x.stride(1) == 1``, any row stride) and a valid column ``j < valid``,
 ``y_j = scale * (softcap * tanh(x_j / softcap) if softcap else x_j)`` in fp32; padded columns take no part.
 
-- ``softmax_partials``: one program per row walks the valid columns in ``BLOCK_V`` blocks with an online max,
-  so a row is read once whatever V is; returns the fp32 ``[c, 5]`` partials (max, sum exp, entropy numerator,
-  target logit, sum of logits) that the caller combines across vocabulary shards.
-- ``softmax_grad_``: a 2-D grid (row, vocabulary block), each program reading its block once and writing its
-  gradient once, which is what makes ``out is x`` (the in-place mode) safe.
-- ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel. One program per row reads
-  the row for its log-sum-exp and loss, then walks it again (from its last block, the likeliest still in L2)
-  writing ``d loss / d x``: one read from memory and one write where the two-kernel path reads twice.
+- ``softmax_partials``: one program per row walks the valid columns in ``BLOCK_V`` blocks, each lane keeping
+  its own running max and sum (one exp per element; the lanes are reduced once per row), so a row is read
+  once whatever V is; returns the fp32 ``[c, 5]`` partials (max, sum exp, entropy numerator, target logit,
+  sum of logits) that the caller combines across vocabulary shards.
+- ``softmax_grad_``: program (row, split) walks every splits-th block of the row (splits > 1 only when the
+  chunk has too few rows to fill the GPU), reading each block once and writing its gradient once, which is
+  what makes ``out is x`` (the in-place mode) safe.
+- ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel, on a persistent grid of
+  one program per SM. A program reads a row for its log-sum-exp and loss (keeping it in L2: evict_last),
+  then walks it back from where it ended (evict_first) writing ``d loss / d x``: one read from memory and
+  one write where the two-kernel path reads twice. The gradient comes out times ``grad_scale`` (a device
+  scalar: the mean's ``1 / count``).
+
+Every row walk has the same shape: an unmasked main loop from the row's first 16-byte aligned column in whole
+blocks (16-byte loads and stores whatever the width and row stride), and one masked edge block for the
+columns before and after it. The lanes' summation order follows that alignment, so a row at another
+address may round differently in the last bit (a given layout is deterministic). ``python -m
+lmloss.kernels.report`` compiles the kernels for sm_90 and reports registers, spills, load widths and SASS
+instructions per element of these loops (docs/kernels.md).
 
 This module is the only one in lmloss that imports ``triton``; import it only when the Triton implementation
 is selected.
@@ -35,13 +46,14 @@ __all__ = [
     "FORWARD_BLOCKS",
     "BACKWARD_BLOCKS",
     "TritonKernels",
+    "scale_by_device_scalar_",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
-# Forward: one program walks a whole row, so large blocks amortise the two block reductions per step
-# (8192 bf16 = 16 KiB in flight per program, 16 elements per thread at 16 warps).
-# Backward: no loop and no reduction, a block per program; 4096 keeps rows x blocks programs many enough
-# to fill the GPU for chunks of a few hundred rows.
+# Forward (and the one-kernel loss): one program walks a whole row, 16 elements per thread per step (8192 bf16
+# = 16 KiB in flight per program at 16 warps); the per-lane max / sum cost registers, not reductions.
+# Backward: no reduction; 4096 at 8 warps (16 elements per thread) keeps the loop short per program when a
+# small chunk's rows are split across programs.
 FORWARD_BLOCKS: tuple[tuple[float, int, int], ...] = (
     (1024, 1024, 4),
     (8192, 4096, 8),
@@ -59,187 +71,323 @@ def block_config(n_cols: int, table: tuple[tuple[float, int, int], ...]) -> tupl
     raise AssertionError("the last row of a block table must have limit inf")
 
 
+_LOG2E = 1.4426950408889634
+_FLT_MAX = 3.4028234663852886e38
+
+
+# Hardware forms on the GPU (FAST, a constexpr the wrappers set for CUDA tensors): one MUFU instruction each,
+# ex2 flushing denormal results to zero (the non-ftz ex2 costs four more instructions to rescale them) and
+# tanh.approx (relative error about 2^-11, below bf16's half ulp of 2^-9). The interpreter, which tests these
+# kernels on the CPU, cannot run PTX: there they are written with tl.exp2 and exp.
 @triton.jit
-def _softcap_tanh(x, softcap):
-    # tanh(x / softcap) from exp, written out because the CPU interpreter that tests these kernels does not
-    # emulate libdevice. (1 - e) / (1 + e) with e = exp(-2|z|) loses relative accuracy as z -> 0, so small |z|
-    # take the odd Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8.
-    z = x / softcap
-    az = tl.abs(z)
-    e = tl.exp(-2.0 * az)
-    z2 = z * z
-    series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
-    th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
-    return tl.where(z < 0.0, -th, th)
+def _exp2(x, FAST: tl.constexpr):
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _tanh(z, FAST: tl.constexpr):
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        # (1 - e) / (1 + e) with e = exp(-2|z|) loses relative accuracy as z -> 0, so small |z| take the odd
+        # Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8.
+        az = tl.abs(z)
+        e = tl.exp(-2.0 * az)
+        z2 = z * z
+        series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
+        th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
+        return tl.where(z < 0.0, -th, th)
+
+
+@triton.jit
+def _transform(x, scale, inv_cap, cap_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST: tl.constexpr):
+    # y = scale * cap * tanh(x / cap) in fp32 (cap_scale = cap * scale), and tanh for the backward's slope;
+    # without softcap a multiply only when scale != 1 (SCALE)
+    x = x.to(tl.float32)
+    if SOFTCAP:
+        th = _tanh(x * inv_cap, FAST)
+        return th * cap_scale, th
+    elif SCALE:
+        return x * scale, x
+    else:
+        return x, x
+
+
+@triton.jit
+def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
+    # One element per lane of the streaming softmax, each lane keeping its own running max m, sum s and
+    # entropy numerator t (relative to m); one exp per element: exp(-|y - m|) is the element's own term
+    # when y <= m and the rescale of the lane's sums when y > m (the element then adds exp(0) = 1).
+    # m starts at -FLT_MAX, not -inf, so that y = -inf gives d = -inf and exp = 0, never inf - inf.
+    d = y - m
+    e = _exp2(tl.abs(d) * -1.4426950408889634, FAST)
+    up = d > 0.0
+    if ENTROPY:  # up: t <- e (t - d s) (the shift to the new max; the element adds 0); else t += e d
+        t = tl.where(up, e * (t - d * s), t + e * tl.maximum(d, -3.4028234663852886e38))
+    s = tl.where(up, s * e + 1.0, s + e)
+    m = tl.where(up, y, m)
+    return m, s, t
+
+
+@triton.jit
+def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
+    # The row's (max, sum exp, entropy numerator) from the lanes' once per row; -inf max when nothing is finite.
+    big_m = tl.max(m, 0)
+    w = _exp2((m - big_m) * 1.4426950408889634, FAST)
+    s_row = tl.sum(s * w, 0)
+    t_row = 0.0
+    if ENTROPY:
+        t_row = tl.sum(tl.where(s > 0.0, w * (t + (m - big_m) * s), 0.0), 0)
+    return tl.where(s_row > 0.0, big_m, -float("inf")), s_row, t_row
+
+
+@triton.jit
+def _row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+    # A row's columns as: `head` leading columns before the first 16-byte aligned address, `n_main` columns
+    # from there in whole blocks (the unmasked, vectorised main loop), and the edge: the head plus whatever
+    # follows the main blocks (masked). Edge lane j is column j if j < head, else n_main + j.
+    head = ((ALIGN - row_start % ALIGN) % ALIGN).to(tl.int32)
+    n_main = (tl.maximum(valid - head, 0) // BLOCK_V) * BLOCK_V
+    return head, n_main
+
+
+@triton.jit
+def _edge_cols(j, head, n_main):
+    return tl.where(j < head, j, n_main + j)
 
 
 # Contract: x rows of x_row_stride elements, columns [0, valid) are vocabulary; labels [c] integer (global ids),
 # read only when TARGET. Writes out[row, 0:5] (fp32, contiguous) = (m, s, t, target, sum_y):
-#   m = max_j y_j (-inf if valid == 0), s = sum_j exp(y_j - m), t = sum_j exp(y_j - m) * (y_j - m) with
+#   m = max_j y_j (-inf if nothing is finite), s = sum_j exp(y_j - m), t = sum_j exp(y_j - m) * (y_j - m) with
 #   exp(..) == 0 terms exactly 0, target = y at label - vocab_start if owned else 0, sum_y = sum_j y_j.
-# t is kept relative to the running max; when it moves m -> m', t <- exp(m - m') * (t + (m - m') * s).
-@triton.jit
-def _scaled_logits(ptrs, mask, scale, softcap, SOFTCAP: tl.constexpr):
-    # y = scale * softcap(x) in fp32 where `mask`, -inf elsewhere (so max / exp ignore those columns)
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if SOFTCAP:
-        y = softcap * _softcap_tanh(y, softcap)
-    return tl.where(mask, y * scale, -float("inf"))
-
-
-@triton.jit
-def _online_step(m, y):
-    # One block of the streaming softmax: the new running max, the reference the exps are taken from
-    # (0 while everything seen is -inf: exp(-inf - 0) = 0 where exp(-inf - -inf) is NaN), the factor
-    # that rescales the sums so far (0 on the first finite block, m = -inf) and the block's exps.
-    m_new = tl.maximum(m, tl.max(y, 0))
-    ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-    return m_new, ref, tl.exp(m - ref), tl.exp(y - ref)
-
-
+# ALIGN: elements per 16 bytes when x's base is 16-byte aligned (else 1): the main loop starts at each row's
+# first aligned column, so its loads are 16 bytes wide whatever the width and row stride.
 @triton.jit
 def _softmax_partials_kernel(
-    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, softcap,
-    SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr, SUM_LOGITS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
+    SUM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    m = -float("inf")
-    s = 0.0
-    t = 0.0
-    sum_y = 0.0
-    for start in range(0, valid, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_vocab = cols < valid
-        y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
-        m_new, ref, alpha, e = _online_step(m, y)
-        if ENTROPY:
-            shift = tl.where(s > 0, m - ref, 0.0)  # s == 0 means m = -inf: -inf * 0 would be NaN
-            t = alpha * (t + shift * s) + tl.sum(e * tl.where(e > 0, y - ref, 0.0), 0)
-        s = alpha * s + tl.sum(e, 0)
-        if SUM_LOGITS:
-            sum_y += tl.sum(tl.where(in_vocab, y, 0.0), 0)
-        m = m_new
+    row_start = row * x_row_stride
+    x_row = x_ptr + row_start
     target = 0.0
     if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
-        target = tl.where(owned, _scaled_logits(x_row + local, owned, scale, softcap, SOFTCAP), 0.0)
+        y_t, th_t = _transform(tl.load(x_row + local, mask=owned, other=0.0), scale, inv_cap, cap_scale,
+                            SCALE, SOFTCAP, FAST)  # fmt: skip
+        target = tl.where(owned, y_t, 0.0)
+    head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
+    x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    t = tl.zeros([BLOCK_V], tl.float32)
+    sum_y = tl.zeros([BLOCK_V], tl.float32)
+    for k in range(0, n_main, BLOCK_V):
+        y, _ = _transform(tl.load(x_main + k + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
+        if SUM_LOGITS:
+            sum_y += y
+    n_edge = valid - n_main
+    for e0 in range(0, n_edge, BLOCK_V):
+        j = e0 + offs
+        mask = j < n_edge
+        x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
+        y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        y = tl.where(mask, y, -float("inf"))
+        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
+        if SUM_LOGITS:
+            sum_y += tl.where(mask, y, 0.0)
+    m_row, s_row, t_row = _lanes_reduce(m, s, t, ENTROPY, FAST)
     out_row = out_ptr + row * 5
-    tl.store(out_row + 0, m)
-    tl.store(out_row + 1, s)
-    tl.store(out_row + 2, t)
+    tl.store(out_row + 0, m_row)
+    tl.store(out_row + 1, s_row)
+    tl.store(out_row + 2, t_row)
     tl.store(out_row + 3, target)
-    tl.store(out_row + 4, sum_y)
+    tl.store(out_row + 4, tl.sum(sum_y, 0))
 
 
-# Contract: program (row, block) reads x[row, block] once and writes out[row, block] once (so out may be x).
-# coef[row] = (a, b, c, d); with logp = y - lse[row], P = exp(logp), H = entropy[row]:
-#   g = a*P [a != 0] + d*P*(logp + H) [d != 0, P > 0] + b [j owns the label] + c, times dy/dx;
-# rows whose coefficients are all 0 and padded columns (valid <= j < n_cols) get exactly 0 and read no x.
+@triton.jit
+def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+                FAST: tl.constexpr):  # fmt: skip
+    # One block of the gradient from y (x after _transform, in fp32) with the row's coefficients already
+    # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)), times (1 - th^2).
+    # j_label: whether each lane holds the label's column. lse2 = lse * log2(e).
+    if ENTROPY:
+        logp2 = x * 1.4426950408889634 - lse2
+        p = _exp2(logp2, FAST)
+        logp = tl.where(p > 0.0, logp2 * 0.6931471805599453, 0.0)  # no -inf * 0 where p == 0
+        g = (pa + d_coef * (logp + h)) * p + tl.where(j_label, pb + pc, pc)
+    else:
+        p = _exp2(x * 1.4426950408889634 - lse2, FAST)
+        g = pa * p + tl.where(j_label, pb + pc, pc)
+    if SOFTCAP:
+        g = g * (1.0 - th * th)
+    return g
+
+
+# Contract: program (row, split) walks the row's main blocks split, split + splits, ... (reading each once and
+# writing it once, so out may be x); split 0 also does the row's edge (head, tail, and padded columns
+# valid <= j < n_cols, which get exactly 0). coef[row] = (a, b, c, d); with logp = y - lse[row], P = exp(logp),
+# H = entropy[row]: g = a*P + d*P*(logp + H) [P > 0] + b [j owns the label] + c, times dy/dx; a row whose four
+# coefficients are all 0 gets exactly 0 (a select after the math: the x loads never wait on the coefficients).
+# ALIGN as in _softmax_partials_kernel, for x and out together (the wrapper checks they share their alignment).
 @triton.jit
 def _softmax_grad_kernel(
     x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, lse_ptr, entropy_ptr, coef_ptr,
-    n_cols, valid, vocab_start, scale, softcap,
-    SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
+    n_cols, valid, vocab_start, scale, inv_cap, cap_scale,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
+    ALIGN: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    x_start = row * x_row_stride
+    o_start = row * out_row_stride
+    head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
+    x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
+    o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
     a = tl.load(coef_ptr + row * 4 + 0)
     b = tl.load(coef_ptr + row * 4 + 1)
     c = tl.load(coef_ptr + row * 4 + 2)
     d = tl.load(coef_ptr + row * 4 + 3)
     live = (a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0)
-    in_vocab = cols < tl.where(live, valid, 0)  # a dead row reads nothing and writes zeros
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_vocab, other=0.0).to(tl.float32)
-    if SOFTCAP:
-        th = _softcap_tanh(x, softcap)
-        y = softcap * th * scale
-        dy_dx = scale * (1.0 - th * th)
-    else:
-        y = x * scale
-        dy_dx = scale
-    logp = y - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
-    g = tl.where(a != 0.0, a * p, 0.0) + c  # where, not a * p: P may be NaN in a row that only uses b, c
+    # A row without p terms (a = d = 0) takes lse = inf, so p = 0 and its lse (maybe NaN) reaches nothing;
+    # likewise H only where d != 0: zero coefficients add exactly 0 without a select per element.
+    lse2 = tl.where((a == 0.0) & (d == 0.0), float("inf"), tl.load(lse_ptr + row) * 1.4426950408889634)
+    h = 0.0
     if ENTROPY:
-        h = tl.load(entropy_ptr + row)
-        entropy_term = d * p * (tl.where(p > 0.0, logp, 0.0) + h)  # no -inf * 0 even in the unused lanes
-        g += tl.where(d != 0.0, tl.where(p > 0.0, entropy_term, 0.0), 0.0)
-    if LABELS:
-        g += tl.where(cols == tl.load(labels_ptr + row) - vocab_start, b, 0.0)
-    g = tl.where(in_vocab, g * dy_dx, 0.0)
-    tl.store(out_ptr + row * out_row_stride + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        h = tl.where(d != 0.0, tl.load(entropy_ptr + row), 0.0)
+    # dy/dx's constant factor (scale) goes into the coefficients; softcap's (1 - th^2) stays per element
+    k = scale if SCALE or SOFTCAP else 1.0
+    pa = a * k
+    pb = b * k
+    pc = c * k
+    pd = d * k
+    label = -1
+    if LABELS:  # compared in 32 bits; a label outside [0, valid) matches no column
+        local = tl.load(labels_ptr + row) - vocab_start
+        label = tl.where((local >= 0) & (local < valid), local, -1).to(tl.int32)
+    offs = tl.arange(0, BLOCK_V)
+    for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
+        y, th = _transform(tl.load(x_main + kb + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+        tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
+    if split == 0:
+        n_edge = n_cols - n_main
+        for e0 in range(0, n_edge, BLOCK_V):
+            j = e0 + offs
+            cols = _edge_cols(j, head, n_main)
+            in_vocab = (j < n_edge) & (cols < valid)
+            x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
+            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+            g = tl.where(in_vocab, tl.where(live, g, 0.0), 0.0)
+            tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge)
 
 
-# Contract: one program per row of x [c, n_cols] (columns [0, valid) are the whole vocabulary, vocab_start 0).
-# A row whose label is ignore_index reads nothing: res[row] = (0, 0) and out[row, :] = 0 exactly. Otherwise
-#   pass 1 (reads x): m, s online as in _softmax_partials_kernel, y_t = y[label] (0 if label not in [0, valid)),
-#     sum_y when SMOOTHING; lse = m + log s;
-#     loss = (1-eps)(lse - y_t) + eps(lse - sum_y / vocab_size) + z lse^2, written as (m - y_t) + log s etc.
-#   pass 2 (reads x, then writes out, block by block from the last):
-#     g_j = ((1 + 2 z lse) p_j - (1-eps)[j == label] - eps / vocab_size) * dy/dx for j < valid, 0 beyond.
+# Contract: a persistent grid; program p takes rows p, p + programs, ... of x [c, n_cols] (columns [0, valid) are
+# the whole vocabulary, vocab_start 0). A row whose label is ignore_index reads nothing: res[row] = (0, 0) and
+# out[row, :] = 0 exactly. Otherwise
+#   pass 1 (reads x: edge, then main blocks forward, kept in L2 with evict_last): y_t = y[label] read first
+#     (before any write of the row), per-lane m, s as in _softmax_partials_kernel, sum_y when SMOOTHING;
+#     lse = m + log s; loss = (1-eps)(lse - y_t) + eps(lse - sum_y / vocab_size) + z lse^2;
+#   pass 2 (main blocks backward from where pass 1 ended, then the edge; evict_first):
+#     g_j = k ((1 + 2 z lse) p_j - (1-eps)[j == label] - eps / vocab_size) * dy/dx for j < valid, 0 beyond,
+#     with k = *grad_scale_ptr (the upstream of each row's loss, 1 / count for a mean).
 # Every read of pass 1 precedes every write, and pass 2 reads each block before writing it: out may be x.
 @triton.jit
 def _cross_entropy_loss_grad_kernel(
-    x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, res_ptr,
-    n_cols, n_blocks, valid, ignore_index, scale, softcap, eps, z_loss, inv_vocab,
-    SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, res_ptr, grad_scale_ptr,
+    n_rows, n_cols, valid, ignore_index, scale, inv_cap, cap_scale, eps, z_loss, inv_vocab,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+    BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    out_row = out_ptr + row * out_row_stride
-    label = tl.load(labels_ptr + row)
-    live = label != ignore_index
-    n_read = tl.where(live, valid, 0)  # an ignored row is neither read nor given a gradient
+    grad_scale = tl.load(grad_scale_ptr)
+    offs = tl.arange(0, BLOCK_V)
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        x_start = row * x_row_stride
+        o_start = row * out_row_stride
+        label = tl.load(labels_ptr + row)
+        live = label != ignore_index
+        n_read = tl.where(live, valid, 0)  # an ignored row is neither read nor given a gradient
+        owned = live & (label >= 0) & (label < valid)
+        y_t, th_t = _transform(tl.load(x_ptr + x_start + label, mask=owned, other=0.0), scale, inv_cap, cap_scale,
+                            SCALE, SOFTCAP, FAST)  # fmt: skip
+        y_t = tl.where(owned, y_t, 0.0)
+        head, n_main = _row_split(x_start, n_read, ALIGN, BLOCK_V)
+        x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
+        o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
 
-    m = -float("inf")
-    s = 0.0
-    sum_y = 0.0
-    for start in range(0, n_read, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_vocab = cols < n_read
-        y = _scaled_logits(x_row + cols, in_vocab, scale, softcap, SOFTCAP)
-        m_new, _, alpha, e = _online_step(m, y)
-        s = alpha * s + tl.sum(e, 0)
+        m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
+        sum_y = tl.zeros([BLOCK_V], tl.float32)
+        n_edge = n_read - n_main
+        for e0 in range(0, n_edge, BLOCK_V):
+            j = e0 + offs
+            mask = j < n_edge
+            x = tl.load(x_ptr + x_start + _edge_cols(j, head, n_main), mask=mask, other=0.0,
+                        eviction_policy="evict_last")  # fmt: skip
+            y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y = tl.where(mask, y, -float("inf"))
+            m, s, _ = _lane_step(m, s, s, y, False, FAST)
+            if SMOOTHING:
+                sum_y += tl.where(mask, y, 0.0)
+        for kb in range(0, n_main, BLOCK_V):
+            x = tl.load(x_main + kb + offs, eviction_policy="evict_last")
+            y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            m, s, _ = _lane_step(m, s, s, y, False, FAST)
+            if SMOOTHING:
+                sum_y += y
+        m_row, s_row, t_row = _lanes_reduce(m, s, s, False, FAST)
+        # An ignored row read nothing (m = -inf, s = 0): give it lse 0 so that no inf reaches the arithmetic below.
+        m_row = tl.where(live, m_row, 0.0)
+        log_s = tl.log(tl.where(live, s_row, 1.0))
+        lse = m_row + log_s
+        loss = (m_row - y_t) + log_s  # -log p_label, with the large m cancelled first
         if SMOOTHING:
-            sum_y += tl.sum(tl.where(in_vocab, y, 0.0), 0)
-        m = m_new
-    owned = live & (label >= 0) & (label < valid)
-    y_t = tl.where(owned, _scaled_logits(x_row + label, owned, scale, softcap, SOFTCAP), 0.0)
-    # An ignored row read nothing (m = -inf, s = 0): give it lse 0 so that no inf reaches the arithmetic below.
-    m = tl.where(live, m, 0.0)
-    log_s = tl.log(tl.where(live, s, 1.0))
-    lse = m + log_s
-    loss = (m - y_t) + log_s  # -log p_label, with the large m cancelled first
-    if SMOOTHING:
-        loss = (1.0 - eps) * loss + eps * ((m - sum_y * inv_vocab) + log_s)
-    if Z_LOSS:
-        loss += z_loss * lse * lse
-        p_coef = 1.0 + 2.0 * z_loss * lse
-    else:
+            loss = (1.0 - eps) * loss + eps * ((m_row - tl.sum(sum_y, 0) * inv_vocab) + log_s)
         p_coef = 1.0
-    tl.store(res_ptr + row * 2 + 0, tl.where(live, lse, 0.0))
-    tl.store(res_ptr + row * 2 + 1, tl.where(live, loss, 0.0))
+        if Z_LOSS:
+            loss += z_loss * lse * lse
+            p_coef = 1.0 + 2.0 * z_loss * lse
+        tl.store(res_ptr + row * 2 + 0, tl.where(live, lse, 0.0))
+        tl.store(res_ptr + row * 2 + 1, tl.where(live, loss, 0.0))
 
-    label_coef = 1.0 - eps if SMOOTHING else 1.0
-    for i in range(0, n_blocks):
-        cols = (n_blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        in_vocab = cols < n_read
-        x = tl.load(x_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            th = _softcap_tanh(x, softcap)
-            y = softcap * th * scale
-            dy_dx = scale * (1.0 - th * th)
-        else:
-            y = x * scale
-            dy_dx = scale
-        g = p_coef * tl.exp(y - lse) - tl.where(cols == label, label_coef, 0.0)
-        if SMOOTHING:
-            g -= eps * inv_vocab
-        g = tl.where(in_vocab, g * dy_dx, 0.0)
-        tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        # the row's constants, dy/dx's constant part (scale) and the upstream folded in
+        k = grad_scale * (scale if SCALE or SOFTCAP else 1.0)
+        pa = p_coef * k
+        pc = -eps * inv_vocab * k if SMOOTHING else 0.0
+        pb = -(1.0 - eps) * k if SMOOTHING else -k
+        lse2 = lse * 1.4426950408889634
+        label32 = tl.where(owned, label, -1).to(tl.int32)
+        for i in range(0, n_main, BLOCK_V):
+            kb = n_main - BLOCK_V - i
+            x = tl.load(x_main + kb + offs, eviction_policy="evict_first")
+            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            tl.store(o_main + kb + offs, g.to(out_ptr.dtype.element_ty), eviction_policy="evict_first")
+        n_edge = n_cols - n_main  # the head, the tail and the padded columns (zeros); all of an ignored row
+        for e0 in range(0, n_edge, BLOCK_V):
+            j = e0 + offs
+            cols = _edge_cols(j, head, n_main)
+            in_vocab = (j < n_edge) & (cols < n_read)
+            x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first")
+            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            g = tl.where(in_vocab, g, 0.0)
+            tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge,
+                     eviction_policy="evict_first")  # fmt: skip
 
 
 def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
@@ -275,6 +423,32 @@ def _row_vector(name: str, t: torch.Tensor, rows: int, dtypes: tuple[torch.dtype
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int64, torch.int32)
+
+
+def alignment(*rows: torch.Tensor) -> int:
+    """The kernels' ``ALIGN``: elements per 16 bytes of the narrowest dtype among `rows` (2-D tensors walked
+    together, column by column), when each base address is aligned to that many of its own elements and the
+    row strides agree modulo it, so that one column offset puts every row of every tensor on a 16-byte
+    boundary; else 1 (no alignment assumed: correct, with narrower loads)."""
+    align = 16 // min(t.element_size() for t in rows)
+    aligned = all(t.data_ptr() % (align * t.element_size()) == 0 for t in rows)
+    return align if aligned and len({t.stride(0) % align for t in rows}) == 1 else 1
+
+
+def _math_args(math: ChunkMath, x: torch.Tensor) -> tuple[tuple[float, float, float], dict]:
+    """``(scale, 1 / cap, cap * scale)`` and the constexprs SCALE, SOFTCAP, FAST shared by the kernels."""
+    cap = float(math.softcap or 0.0)
+    scale = float(math.scale)
+    args = (scale, 1.0 / cap if cap else 1.0, cap * scale if cap else scale)
+    return args, dict(SCALE=scale != 1.0, SOFTCAP=bool(cap), FAST=x.is_cuda)
+
+
+def _programs(device: torch.device) -> int:
+    """How many programs keep the GPU busy: 4 per SM on CUDA (a few under the CPU interpreter, enough to
+    exercise the splitting and persistent loops)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def softmax_partials(
@@ -313,12 +487,12 @@ def softmax_partials(
     if rows == 0:
         return out
     block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    values, flags = _math_args(math, x)
     with _device_guard(x):
         _softmax_partials_kernel[(rows,)](
-            x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start,
-            float(math.scale), float(math.softcap or 1.0),
-            SOFTCAP=bool(math.softcap), ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
-            BLOCK_V=block, num_warps=warps,
+            x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
+            ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits, BLOCK_V=block, ALIGN=alignment(x),
+            num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -333,6 +507,7 @@ def softmax_grad_(
     out: torch.Tensor,
     *,
     block_v: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Write ``d loss / d x`` of a chunk into ``out`` and return it.
 
@@ -350,6 +525,8 @@ def softmax_grad_(
         out: ``[c, V_local]`` float, ``out.stride(1) == 1``; may be ``x`` itself (each block is read, then
             overwritten, by one program).
         block_v: vocabulary block override (a power of 2); default from ``BACKWARD_BLOCKS``.
+        splits: programs per row (each walks every splits-th block); default: 1, or more when the chunk has
+            too few rows to fill the GPU.
     """
     _check_rows("x", x, _FLOATS)
     _check_rows("out", out, _FLOATS)
@@ -369,13 +546,15 @@ def softmax_grad_(
     block, warps = _block(n_cols, BACKWARD_BLOCKS, block_v)
     if rows == 0 or n_cols == 0:
         return out
+    if splits is None:  # split the vocabulary only when the rows alone leave programs idle
+        splits = min(triton.cdiv(n_cols, block), triton.cdiv(_programs(x.device), rows))
+    values, flags = _math_args(math, x)
     with _device_guard(x):
-        _softmax_grad_kernel[(rows, triton.cdiv(n_cols, block))](
+        _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
-            lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start,
-            float(math.scale), float(math.softcap or 1.0),
-            SOFTCAP=bool(math.softcap), ENTROPY=entropy is not None, LABELS=labels is not None,
-            BLOCK_V=block, num_warps=warps,
+            lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start, *values,
+            ENTROPY=entropy is not None, LABELS=labels is not None, BLOCK_V=block, ALIGN=alignment(x, out),
+            num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -390,9 +569,12 @@ def cross_entropy_loss_and_grad_(
     z_loss: float,
     vocab_size: int,
     out: torch.Tensor,
+    grad_scale: torch.Tensor | None = None,
     block_v: int | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
-    """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum written into `out`.
+    """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum (times
+    `grad_scale`) written into `out`.
 
     One process holds the whole vocabulary (``math.vocab_start == 0``, ``math.valid == vocab_size``); with
     ``y = scale * softcap(x)`` over the valid columns and ``lse = logsumexp(y)``, a row's loss is
@@ -409,7 +591,11 @@ def cross_entropy_loss_and_grad_(
         vocab_size: the number of classes (the smoothing's uniform target spreads over these).
         out: ``[c, V_local]`` float, ``out.stride(1) == 1``; may be ``x`` itself (the in-place mode: a row's
             program reads all of it before writing any, then reads each block before overwriting it).
+        grad_scale: one-element fp32 tensor on x's device multiplying the gradient (``1 / count`` for a mean,
+            read by the kernel: no host sync); None for 1.
         block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
+        programs: size of the persistent grid (each program walks rows p, p + programs, ...); default one per
+            SM on CUDA, so that the rows in flight fit in L2 and the second pass re-reads its row from there.
 
     Returns:
         fp32 ``[c, 2]``: (lse, loss) per row, both 0 for ignored rows.
@@ -431,19 +617,57 @@ def cross_entropy_loss_and_grad_(
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     labels = _row_vector("labels", labels, rows, _INTS)
+    if grad_scale is None:
+        grad_scale = torch.ones((), dtype=torch.float32, device=x.device)
+    elif grad_scale.numel() != 1 or grad_scale.device != x.device:
+        raise ValueError(f"grad_scale must be one element on {x.device}, got {tuple(grad_scale.shape)}")
+    grad_scale = grad_scale.reshape(()).to(torch.float32)
     res = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
     if rows == 0:
         return res
     block, warps = _block(n_cols, FORWARD_BLOCKS, block_v)
+    if programs is None:
+        programs = _programs(x.device) // 4  # one row per SM in flight: 132 rows of 128256 bf16 are 34 MB < L2
+    values, flags = _math_args(math, x)
     with _device_guard(x):
-        _cross_entropy_loss_grad_kernel[(rows,)](
-            x, x.stride(0), out, out.stride(0), labels, res, n_cols, triton.cdiv(n_cols, block), vocab_size,
-            int(ignore_index), float(math.scale), float(math.softcap or 1.0), float(label_smoothing),
-            float(z_loss), 1.0 / vocab_size,
-            SOFTCAP=bool(math.softcap), SMOOTHING=label_smoothing > 0, Z_LOSS=z_loss > 0,
-            BLOCK_V=block, num_warps=warps,
+        _cross_entropy_loss_grad_kernel[(max(1, min(rows, programs)),)](
+            x, x.stride(0), out, out.stride(0), labels, res, grad_scale, rows, n_cols, vocab_size,
+            int(ignore_index), *values, float(label_smoothing), float(z_loss), 1.0 / vocab_size,
+            SMOOTHING=label_smoothing > 0, Z_LOSS=z_loss > 0, BLOCK_V=block, ALIGN=alignment(x, out),
+            num_warps=warps, **flags,
         )  # fmt: skip
     return res
+
+
+# Contract: t[i] *= factor for i < n, where factor is read on the device; a grid of a few programs per SM walks
+# the blocks. When factor is exactly 1.0 the walk is empty: each program reads the factor and exits, nothing
+# of t is loaded or stored (the backward of loss.backward() moves no bytes).
+@triton.jit
+def _scale_kernel(t_ptr, n, factor_ptr, BLOCK: tl.constexpr):
+    f = tl.load(factor_ptr).to(tl.float32)
+    n_scaled = tl.where(f != 1.0, n, 0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n_scaled, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_scaled
+        t = tl.load(t_ptr + offs, mask=mask)
+        tl.store(t_ptr + offs, (t.to(tl.float32) * f).to(t_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t *= factor`` for a contiguous float `t` and a 0-d `factor` on its device, with no host sync; nothing
+    of `t` is read or written when ``factor == 1.0``. Returns `t`."""
+    if not t.is_contiguous() or t.dtype not in _FLOATS:
+        raise ValueError(f"t must be contiguous with dtype in {_FLOATS}, got {t.dtype}")
+    if factor.numel() != 1 or factor.device != t.device:
+        raise ValueError(f"factor must be one element on {t.device}, got {tuple(factor.shape)} on {factor.device}")
+    n = t.numel()
+    if n:
+        block = 4096
+        with _device_guard(t):
+            grid = min(triton.cdiv(n, block), _programs(t.device))
+            _scale_kernel[(grid,)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
+    return t
 
 
 class TritonKernels:
@@ -468,12 +692,13 @@ class TritonKernels:
         return result, softmax_grad_(x, labels, lse, None, coef, math, out)
 
     def loss_and_grad_(
-        self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out
+        self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out, grad_scale=None
     ) -> dict[str, torch.Tensor]:
         """The single-process scalar-loss chunk in one kernel (`cross_entropy_loss_and_grad_`): returns
-        ``{"lse": [c], "loss": [c]}`` fp32 (0 for ignored rows) and writes d(sum of losses)/dx into `out`."""
+        ``{"lse": [c], "loss": [c]}`` fp32 (0 for ignored rows) and writes ``grad_scale`` d(sum of losses)/dx
+        into `out`."""
         res = cross_entropy_loss_and_grad_(
             x, labels, math, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-            vocab_size=vocab_size, out=out,
+            vocab_size=vocab_size, out=out, grad_scale=grad_scale,
         )  # fmt: skip
         return {"lse": res[:, 0], "loss": res[:, 1]}

@@ -39,6 +39,10 @@ COORDS = (
 
 CPU_REPORT_FORMAT = "lmloss-cpu-memory-report"
 
+#: Default `MemoryProfilerConfig.min_bytes`: small enough that a small model's activations are listed, large
+#: enough that the tracker does not record a call stack for every scalar (each listed tensor costs one).
+DEFAULT_MIN_BYTES = 64 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryProfilerConfig:
@@ -49,12 +53,16 @@ class MemoryProfilerConfig:
         most recent ones are kept.
     ranks: global ranks that record; None means every rank.
     stacks: ``"python"`` (Python frames), ``"all"`` (also C++ frames, CUDA only), ``"none"`` (no tracebacks).
+    min_bytes: CPU reports list the tensors of at least this many bytes alive at the peak (smaller ones are
+        counted in the peak, not listed; the report says how many bytes that leaves out). 0 lists every
+        tensor, at the cost of a call stack recorded per allocation. CUDA snapshots record every block.
     """
 
     profile_steps: tuple[int, ...] = (0, 1)
     max_entries: int = 100_000
     ranks: tuple[int, ...] | None = None
     stacks: str = "python"
+    min_bytes: int = DEFAULT_MIN_BYTES
 
     def __post_init__(self) -> None:
         steps = tuple(self.profile_steps)
@@ -76,6 +84,7 @@ class MemoryProfilerConfig:
             object.__setattr__(self, "ranks", ranks)
         if self.stacks not in STACKS_MODES:
             raise ValueError(f"stacks must be one of {', '.join(STACKS_MODES)}, got {self.stacks!r}")
+        _check_min_bytes(self.min_bytes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MemoryProfilerConfig:
@@ -106,6 +115,11 @@ class MemoryProfilerConfig:
                 f"{path}: expected a mapping of memory profiler options, got {type(data).__name__}"
             )
         return cls.from_dict(data)
+
+
+def _check_min_bytes(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"min_bytes must be a non-negative integer (bytes), got {value!r}")
 
 
 def resolve_coords(coords: Mapping[str, int] | Any | None) -> dict[str, int]:
@@ -162,7 +176,8 @@ class MemoryProfiler:
         rank: global rank; default ``torch.distributed.get_rank()`` when initialized, else 0.
         device: ``"cuda"`` to record the allocator's history, ``"cpu"`` to track live tensors; default CUDA
             when available.
-        min_bytes: CPU reports list the tensors of at least this size alive at the peak.
+        min_bytes: overrides ``config.min_bytes`` (CPU reports list the tensors of at least this size alive
+            at the peak); default: the config's.
     """
 
     def __init__(
@@ -173,7 +188,7 @@ class MemoryProfiler:
         *,
         rank: int | None = None,
         device: str | torch.device | None = None,
-        min_bytes: int = 1024**2,
+        min_bytes: int | None = None,
     ) -> None:
         self.config = config
         self.out_dir = Path(out_dir)
@@ -185,7 +200,9 @@ class MemoryProfiler:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.min_bytes = min_bytes
+        if min_bytes is not None:
+            _check_min_bytes(min_bytes)
+        self.min_bytes = config.min_bytes if min_bytes is None else min_bytes
 
     def enabled_for(self, global_step: int) -> bool:
         """Whether this rank records `global_step`."""

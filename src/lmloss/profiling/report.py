@@ -40,7 +40,8 @@ class MemorySummary:
     kind: ``"cuda-snapshot"`` or ``"cpu-report"``. peak_bytes: the most bytes live at once in the recorded
     window (CUDA: allocated memory, including what was allocated before recording began; CPU: above what
     was live when the step began). baseline_bytes: CUDA only, what was already allocated when recording
-    began. timeline: ``(event index, live bytes)``.
+    began. timeline: ``(event index, live bytes)``. min_bytes: CPU reports only, the size under which a
+    tensor alive at the peak is counted but not listed (`MemoryProfilerConfig.min_bytes`).
     """
 
     source: str
@@ -51,6 +52,7 @@ class MemorySummary:
     baseline_bytes: int = 0
     device: str = ""
     events: int = 0
+    min_bytes: int | None = None
 
     def by_site(self) -> list[tuple[str, int, int]]:
         """``(site, bytes, count)`` of the allocations alive at the peak, most bytes first."""
@@ -154,19 +156,49 @@ def summarize_cpu_report(report: dict[str, Any], source: str = "") -> MemorySumm
     return MemorySummary(
         source=source, kind="cpu-report", peak_bytes=int(report["peak_bytes"]), allocations=allocations,
         timeline=timeline, device=report.get("device", "cpu"), events=len(timeline) + report.get("timeline_dropped", 0),
+        min_bytes=report.get("min_bytes"),
     )  # fmt: skip
 
 
 def load_summary(path: str | Path) -> MemorySummary:
-    """Read a ``.json`` CPU report or a snapshot pickle (any other suffix) into a `MemorySummary`."""
+    """Read a ``.json`` CPU report or a snapshot pickle (any other suffix) into a `MemorySummary`.
+
+    Raises `ValueError` naming `path` (once) for a file that is neither.
+    """
     path = Path(path)
     if path.suffix == ".json":
-        return summarize_cpu_report(json.loads(path.read_text()), str(path))
-    with path.open("rb") as f:
-        snapshot = pickle.load(f)
+        try:
+            report = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not an lmloss CPU memory report (not JSON: {err})") from err
+        if not isinstance(report, dict):
+            raise ValueError(f"{path}: not an lmloss CPU memory report (a JSON {type(report).__name__})")
+        try:
+            return summarize_cpu_report(report, str(path))
+        except (KeyError, TypeError) as err:
+            raise ValueError(
+                f"{path}: a broken lmloss CPU memory report ({type(err).__name__}: {err})"
+            ) from err
+    try:
+        with path.open("rb") as f:
+            snapshot = pickle.load(f)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError) as err:
+        raise ValueError(
+            f"{path}: not a torch.cuda.memory snapshot pickle ({type(err).__name__}: {err}); "
+            "CPU reports end in .json"
+        ) from err
     if not isinstance(snapshot, dict) or "segments" not in snapshot:
         raise ValueError(f"{path}: not a torch.cuda.memory snapshot (no 'segments')")
     return summarize_snapshot(snapshot, str(path))
+
+
+def _size(nbytes: int) -> str:
+    """``64 KiB``, ``1 MiB``, ``512 B``: exact binary units where they divide, else one decimal."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", MiB), ("KiB", 1024)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if nbytes % scale == 0 else f"{value:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def format_summary(summary: MemorySummary, top: int = 10) -> str:
@@ -178,12 +210,21 @@ def format_summary(summary: MemorySummary, top: int = 10) -> str:
     else:
         lines.append("  (above what was live when the step began)")
     listed = sum(a.nbytes for a in summary.allocations)
+    at_least = "" if not summary.min_bytes else f" of at least {_size(summary.min_bytes)}"
     lines.append(
-        f"  top allocations alive at the peak ({len(summary.allocations)} listed, {listed / MiB:,.1f} MiB):"
+        f"  top allocations{at_least} alive at the peak ({len(summary.allocations)} listed, "
+        f"{listed / MiB:,.1f} MiB):"
     )
     for a in summary.allocations[:top]:
         what = "" if a.shape is None else f"{a.dtype} {list(a.shape)}  "
         lines.append(f"    {a.nbytes / MiB:10,.1f} MiB  {what}{a.site}")
+    unlisted = summary.peak_bytes - listed
+    if summary.kind == "cpu-report" and summary.min_bytes and unlisted > 0:
+        # Say why the list falls short of the peak (it can be empty), and how to list everything.
+        lines.append(
+            f"    {unlisted / MiB:10,.1f} MiB  in tensors under {_size(summary.min_bytes)}, not listed "
+            "(MemoryProfilerConfig(min_bytes=0), or memory_profile: {min_bytes: 0}, lists them)"
+        )
     lines.append("  by call site:")
     for site, nbytes, count in summary.by_site()[:top]:
         lines.append(f"    {nbytes / MiB:10,.1f} MiB  x{count:<4d} {site}")
@@ -262,8 +303,8 @@ def main(args: argparse.Namespace) -> int:
     for i, path in enumerate(paths):
         try:
             summary = load_summary(path)
-        except (ValueError, KeyError, pickle.UnpicklingError, json.JSONDecodeError) as err:
-            print(f"lmloss memory-report: {path}: {err}", file=sys.stderr)
+        except ValueError as err:  # its message names the file
+            print(f"lmloss memory-report: {err}", file=sys.stderr)
             return 1
         if i:
             print()

@@ -3,7 +3,9 @@
 `SFTConfig` describes a run and `run(config)` trains it (spawning local processes when dp*cp*tp > 1).
 Modules, one concern each: `config`, `data` (JSONL, tokenization, batch order), `tasks` (the embedded
 dataset), `tokenizer`, `model`, `attention` (CP attention for transformers), `parallel` (process groups,
-gradient sums, launching), `trainer` (the loop), `checkpoint`, `report`, `launch`, `cli`.
+gradient sums, launching), `trainer` (the loop), `checkpoint` (checksummed shards, finding an intact
+one), `resume` (a run's identity and what a resumed run may change), `report`, `launch` (--out, spawning),
+`cli`.
 Needs the ``sft`` extra: ``pip install lmloss[sft]``.
 """
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import sys
+from pathlib import Path
 
 from lmloss.sft.config import LOSS_IMPLS, SFTConfig
+from lmloss.sft.parallel import INTERRUPTED
 
 SFT_EXTRA_MODULES = ("transformers", "tokenizers", "yaml", "tqdm", "matplotlib")
 HELP = {
@@ -31,11 +35,17 @@ HELP = {
     "chunk_size": "fused-head tokens per chunk: an int or 'auto'",
     "out": "output directory (metrics.jsonl, loss.png, summary.json, checkpoints/, tokenizer.json)",
     "save_every": "save a checkpoint every N steps (and at the end); 0: never",
-    "resume": "checkpoint directory to resume from, or 'latest'",
+    "resume": "checkpoint directory to resume from, or 'latest' (the newest intact one under --out)",
     "head_memory": "measure the loss head's peak memory, fused vs naive, before training",
     "head_memory_vocab": "vocabulary of that measurement, e.g. 151936 (default: the model's padded vocab)",
     "track_memory": "measure every step's peak memory (exact live-tensor tracking on CPU, ~2x slower steps)",
-    "steps": "optimizer steps",
+    "steps": "optimizer steps (default: 100; on --resume, the resumed run's)",
+    "schedule_steps": "length of the warmup + cosine learning-rate schedule (default: --steps; on --resume, "
+    "the resumed run's, so a larger --steps trains on at its final learning rate)",
+    "overwrite": "delete the earlier run in a non-empty --out and start afresh (without it, such an --out is "
+    "refused)",
+    "override": "on --resume, accept a changed run setting (seed, lr, data, tokenizer, ...); repeat or "
+    "comma-separate",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "cosine decay ends at lr * this",
     "warmup_steps": "linear warmup steps",
@@ -69,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of SFTConfig keys; flags override it")
     for field in dataclasses.fields(SFTConfig):
         flag = "--" + field.name.replace("_", "-")
-        shown = field.default is not None and field.default is not False and field.name != "memory_profile"
+        shown = field.default not in (None, False, ()) and field.name != "memory_profile"
         default = f" (default: {field.default})" if shown else ""
         common = {
             "dest": field.name,
@@ -78,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         }
         if str(field.type) == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif field.name == "override":
+            parser.add_argument(flag, action="append", metavar="NAME", **common)
         elif field.name == "loss_impl":
             parser.add_argument(flag, choices=LOSS_IMPLS, **common)
         else:
@@ -94,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> SFTConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    cfg = None
     try:
         cfg = config_from_args(args)
         from lmloss.sft.launch import run
@@ -105,10 +118,48 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         raise
-    except (ValueError, FileNotFoundError) as err:  # lmloss.sft.data.DataError is a ValueError
+    except (ValueError, FileNotFoundError) as err:  # DataError, ConfigError, CheckpointError, RankError too
         print(f"lmloss sft: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        previous = signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a second Ctrl-C must not cut this line short
+        try:
+            if os.environ.get("RANK", "0") == "0":  # under torchrun: once
+                print(interrupted_message(cfg), file=sys.stderr, flush=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return INTERRUPTED
     return 0
+
+
+def interrupted_message(cfg: SFTConfig | None) -> str:
+    """One line after Ctrl-C: the last step logged and how to go on from the newest saved checkpoint."""
+    if cfg is None:
+        return "lmloss sft: interrupted before the run started"
+    from lmloss.sft.checkpoint import MANIFEST, step_dirs
+
+    out = Path(cfg.out)
+    last = None
+    try:
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            last = json.loads(line)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no log yet, or its last line torn by the interrupt
+    saved = [p for p in step_dirs(out / "checkpoints") if (p / MANIFEST).is_file()]
+    where = f" after step {last}" if last is not None else ""
+    if saved:
+        if cfg.resume == "latest":
+            how = "rerun the same command"
+        else:
+            how = "rerun the same command with --resume latest" + (
+                " in place of --overwrite" if cfg.overwrite else " in place of --resume" if cfg.resume else ""
+            )
+        hint = f"{saved[0]} is the newest checkpoint: to continue, {how}"
+    else:
+        hint = "no checkpoint was saved (--save-every N saves them); rerun with --overwrite to start over"
+    return f"lmloss sft: interrupted{where}; {hint}"
 
 
 def register(subparsers) -> None:

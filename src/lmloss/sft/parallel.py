@@ -12,8 +12,12 @@ Groups each rank holds (None where that dimension has size 1, so single-process 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -203,13 +207,40 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+class RankError(ValueError):
+    """A spawned rank stopped on a user error (bad config, data, checkpoint); the message is that error's."""
+
+
+#: How `spawn` starts the ranks: a fresh interpreter each, which is safe with CUDA (a forked child cannot use
+#: CUDA once the parent has initialised it). Tests on CPU set "fork" to skip the imports.
+START_METHOD = "spawn"
+
+#: Exit status of a spawned rank that stopped on Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
+def _leave_quietly(*_) -> None:
+    """SIGINT in a spawned rank: flush what it printed (its last step lines) and exit, no traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, RuntimeError, ValueError):  # interrupted mid-write: lost
+            stream.flush()
+    os._exit(INTERRUPTED)
+
+
 def _spawned_worker(
-    local_rank: int, nproc: int, port: int, device_name: str, fn: Callable, args: tuple
+    local_rank: int, nproc: int, port: int, device_name: str, errors, fn: Callable, args: tuple
 ) -> None:
+    # Ctrl-C on a terminal reaches every process of its group: the ranks leave quietly and the parent
+    # reports it once. (Also the signal the rank gets when the parent dies, see torch's spawn.)
+    signal.signal(signal.SIGINT, _leave_quietly)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank))  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    run_distributed(fn, device_name, *args)
+    try:
+        run_distributed(fn, device_name, *args)
+    except (ValueError, FileNotFoundError) as err:  # the user's to fix: one line in the parent, no traceback
+        errors.put((local_rank, str(err)))
+        sys.exit(2)
 
 
 def run_distributed(fn: Callable, device_name: str, *args):
@@ -225,8 +256,49 @@ def run_distributed(fn: Callable, device_name: str, *args):
 
 
 def spawn(nproc: int, device_name: str, fn: Callable, *args) -> None:
-    """Start `nproc` local processes, each running ``fn(device, *args)`` under an initialised default group."""
-    import torch.multiprocessing as mp
+    """Start `nproc` local processes, each running ``fn(device, *args)`` under an initialised default group.
 
-    mp.start_processes(_spawned_worker, args=(nproc, free_port(), device_name, fn, args), nprocs=nproc,
-                       start_method="spawn")  # fmt: skip
+    A ValueError or FileNotFoundError in a rank (the user's to fix) is raised here as one `RankError` with
+    that rank's message (the lowest rank's, if several), instead of torch's traceback of every rank. Ctrl-C
+    stops every rank and raises KeyboardInterrupt here. Anything else keeps torch's report.
+    """
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+    errors = mp.get_context(START_METHOD).SimpleQueue()
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process ..." per rank
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
+    try:
+        context = mp.start_processes(_spawned_worker, args=(nproc, free_port(), device_name, errors, fn, args),
+                                     nprocs=nproc, start_method=START_METHOD, join=False)  # fmt: skip
+        try:
+            while not context.join():
+                pass
+        except KeyboardInterrupt:
+            _stop(context)
+            raise
+        except ProcessException as err:
+            _stop(context)
+            reported = []
+            while not errors.empty():
+                reported.append(errors.get())
+            if reported:
+                raise RankError(min(reported)[1]) from None
+            if isinstance(err, ProcessExitedException) and err.exit_code in (INTERRUPTED, -signal.SIGINT):
+                raise KeyboardInterrupt from None
+            raise
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _stop(context) -> None:
+    """Terminate the ranks still running and reap them (after Ctrl-C or one rank's failure)."""
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -23,19 +24,57 @@ def step_line(m: dict[str, Any]) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``metrics.jsonl``; on resume, drops lines past the resume step."""
+    """Appends one JSON object per step to ``metrics.jsonl``; holds only this run's steps.
 
-    def __init__(self, path: str | Path, *, resume_step: int | None) -> None:
+    A fresh run starts it empty. A resumed run keeps the lines up to the resume step, and only if they are
+    the ones the checkpoint recorded (`expected`: their sha256 and count, from `checksum` at save time);
+    otherwise (another run's log, an edited or missing file) the log restarts at the resume step + 1, so the
+    summary never mixes runs. A torn last line (a crash mid-write) is dropped. Each such decision is a line
+    in `notes`.
+    """
+
+    def __init__(self, path: str | Path, *, resume_step: int, expected: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        keep = []
-        if resume_step is not None and self.path.is_file():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln and json.loads(ln)["step"] <= resume_step
-            ]
+        self.notes: list[str] = []
+        keep: list[str] = []
+        if resume_step:
+            keep = self._kept_lines(resume_step, expected)
         self.path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _kept_lines(self, resume_step: int, expected: dict[str, Any] | None) -> list[str]:
+        lines = self.path.read_text(errors="replace").split("\n") if self.path.is_file() else []
+        if lines and lines[-1] == "":
+            lines.pop()  # the file ends with a newline: no torn line
+        elif lines:
+            self.notes.append(
+                f"{self.path}: dropped a torn last line (a crash mid-write): {lines[-1][:60]!r}"
+            )
+            lines.pop()
+        keep = []
+        for ln in lines:
+            try:
+                row = json.loads(ln)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                keep = None  # damaged inside: not the recorded log
+                break
+            if row["step"] <= resume_step:
+                keep.append(ln)
+        if keep is not None and expected is not None:
+            text = "".join(ln + "\n" for ln in keep)
+            if (hashlib.sha256(text.encode()).hexdigest() == expected["sha256"]
+                    and len(keep) == expected["lines"]):  # fmt: skip
+                return keep
+        elif keep is not None:
+            return keep
+        self.notes.append(
+            f"{self.path} does not hold this run's {expected['lines'] if expected else resume_step} "
+            f"line(s) up to step {resume_step} (another run's, edited, or missing): it restarts at step "
+            f"{resume_step + 1}, and the summary covers the steps from there"
+        )
+        return []
 
     def write(self, metrics: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -43,6 +82,11 @@ class MetricsLog:
 
     def read(self) -> list[dict[str, Any]]:
         return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln]
+
+    def checksum(self) -> dict[str, Any]:
+        """sha256 and line count of the log as it is now (recorded in a checkpoint's manifest)."""
+        text = self.path.read_text()
+        return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "lines": text.count("\n")}
 
 
 def plot_loss(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path | None:
@@ -66,6 +110,10 @@ def plot_loss(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path 
     return Path(path)
 
 
+def _tail(n: int) -> str:
+    return "the last step" if n == 1 else f"mean of the last {n}"
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """A short two-column table of the run's headline numbers."""
     rows = [
@@ -73,8 +121,8 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("steps", f"{summary['first_step']} -> {summary['last_step']}"),
         (
             "loss",
-            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (mean of the last 10: "
-            f"{summary['last10_loss']:.4f}, min {summary['min_loss']:.4f})",
+            f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f} ({_tail(summary['tail_steps'])}: "
+            f"{summary['tail_mean_loss']:.4f}, min {summary['min_loss']:.4f})",
         ),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
         (

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -35,7 +36,7 @@ from lmloss.distributed import broadcast_batch
 from lmloss.metrics import StatsTracker
 from lmloss.packing import pack
 from lmloss.profiling import MemoryProfiler, MemoryProfilerConfig, peak_memory
-from lmloss.sft import checkpoint, data, report
+from lmloss.sft import checkpoint, data, report, resume
 from lmloss.sft.attention import PackedAttention
 from lmloss.sft.config import SFTConfig
 from lmloss.sft.model import build_model, head_weight, padded_vocab, shard_head
@@ -52,11 +53,14 @@ class PreparedData:
     tokenizer: TextTokenizer
     examples: list[data.TokenizedExample]
     truncated: int
+    data_sha256: str  # of the dataset file's bytes: the data's identity on resume
 
 
 def prepare_data(cfg: SFTConfig) -> PreparedData:
     """Read and tokenize the dataset; the tokenizer is ``cfg.tokenizer`` or a BPE cached in the out dir."""
     examples = data.load_jsonl(cfg.data)
+    data_file = data.default_dataset_path() if cfg.data is None else Path(cfg.data)
+    data_sha256 = hashlib.sha256(data_file.read_bytes()).hexdigest()
     if cfg.tokenizer is not None:
         tok = load_tokenizer(cfg.tokenizer)
     else:
@@ -70,14 +74,26 @@ def prepare_data(cfg: SFTConfig) -> PreparedData:
         truncate=cfg.truncate,
         path=cfg.data,
     )
-    return PreparedData(tok, tokenized, truncated)
+    return PreparedData(tok, tokenized, truncated, data_sha256)
+
+
+def prepare_resume(cfg: SFTConfig, prepared: PreparedData) -> tuple[SFTConfig, checkpoint.ResumePoint | None]:
+    """The checkpoint ``cfg.resume`` names (verified, newest intact for ``latest``) and `cfg` resolved
+    against it (`lmloss.sft.resume.resolve`); ``(cfg, None)`` for a fresh run."""
+    if cfg.resume is None:
+        return cfg, None
+    point = checkpoint.find(cfg.out, cfg.resume)
+    cfg = resume.resolve(cfg, point, data_sha256=prepared.data_sha256,
+                         tokenizer_sha256=prepared.tokenizer.fingerprint())  # fmt: skip
+    return cfg, point
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at step `total_schedule_steps`
+    (and that learning rate after it: a resumed run trained further keeps the original schedule)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
+    span = max(cfg.total_schedule_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -145,13 +161,21 @@ def _memory_profiler(cfg: SFTConfig, mesh: Mesh, device: torch.device):
 
 
 class Trainer:
-    """One process's share of the run. ``fit()`` trains to ``cfg.steps`` and returns the summary (main rank)."""
+    """One process's share of the run. ``fit()`` trains to ``cfg.steps`` and returns the summary (main rank).
+
+    `resume_point`: the verified checkpoint to continue from, with `cfg` already resolved against it
+    (`prepare_resume`); found here when ``cfg.resume`` is set and it is not given.
+    """
 
     def __init__(
-        self, cfg: SFTConfig, mesh: Mesh, device: torch.device, prepared: PreparedData | None = None
-    ):
-        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self, cfg: SFTConfig, mesh: Mesh, device: torch.device, prepared: PreparedData | None = None,
+        resume_point: checkpoint.ResumePoint | None = None,
+    ):  # fmt: skip
         prepared = prepared or prepare_data(cfg)
+        if cfg.resume is not None and resume_point is None:
+            cfg, resume_point = prepare_resume(cfg, prepared)
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.resume_point = resume_point
         self.tok, self.examples = prepared.tokenizer, prepared.examples
         self.truncated = prepared.truncated
         self.order = data.BatchOrder([len(e.ids) for e in self.examples], cfg.tokens_per_batch, seed=cfg.seed,
@@ -167,13 +191,23 @@ class Trainer:
         self.body_params = [p for p in self.model.parameters() if p is not self.head]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=cfg.weight_decay)  # fmt: skip
+        self.identity = resume.run_identity(cfg, data_sha256=prepared.data_sha256,
+                                            tokenizer_sha256=self.tok.fingerprint())  # fmt: skip
         self.step = 0
-        if cfg.resume:
-            state = checkpoint.load(checkpoint.resolve(cfg.out, cfg.resume), model=self.model,
-                                    optimizer=self.optimizer, mesh=mesh, device=device)  # fmt: skip
+        # global micro-batch index of step s: s * global_micro_batches + data_offset (nonzero only after a
+        # resume that overrode micro_batches: the data continues where the checkpoint left it)
+        self.data_offset = 0
+        if self.resume_point is not None:
+            saved_rows = self.resume_point.manifest["vocab_rows"]
+            if saved_rows != self.vocab_rows:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {self.resume_point.path} has {saved_rows} vocabulary rows, this run's model "
+                    f"{self.vocab_rows} (another tokenizer or --vocab-size): it cannot be resumed into it"
+                )
+            state = checkpoint.load(self.resume_point, model=self.model, optimizer=self.optimizer, mesh=mesh,
+                                    device=device)  # fmt: skip
             self.step = state["step"]
-            if state["micro_batches_consumed"] != self.step * cfg.global_micro_batches:
-                raise ValueError("the checkpoint was written with another number of micro-batches per step")
+            self.data_offset = state["micro_batches_consumed"] - self.step * cfg.global_micro_batches
         self.tracker = StatsTracker(group=mesh.dp_cp_group)
         self.profiler = _memory_profiler(cfg, mesh, device)
 
@@ -190,7 +224,7 @@ class Trainer:
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of global step `step`: DP rank d takes the d-th equal share."""
         per_rank = self.cfg.global_micro_batches // self.mesh.dp
-        first = step * self.cfg.global_micro_batches + self.mesh.dp_rank * per_rank
+        first = step * self.cfg.global_micro_batches + self.data_offset + self.mesh.dp_rank * per_rank
         batches = []
         for index in range(first, first + per_rank):
             mine = self._local_batch(index) if self.mesh.tp_rank == 0 else None
@@ -248,7 +282,7 @@ class Trainer:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.world)
             metrics["peak_mem_mib"] = float(peak)
         metrics["tokens_per_s"] = stats["n_tokens"] / (time.perf_counter() - t0)
-        metrics["epoch"] = self.order.epoch_of(self.step * cfg.global_micro_batches)
+        metrics["epoch"] = self.order.epoch_of(self.step * cfg.global_micro_batches + self.data_offset)
         return metrics
 
     # -- the run --------------------------------------------------------------------------------------
@@ -256,7 +290,12 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         out = Path(cfg.out)
         main = mesh.is_main
-        log = report.MetricsLog(out / "metrics.jsonl", resume_step=self.step) if main else None
+        log = None
+        if main:
+            kept = self.resume_point.manifest.get("metrics") if self.resume_point is not None else None
+            log = report.MetricsLog(out / "metrics.jsonl", resume_step=self.step, expected=kept)
+            for note in log.notes:
+                print(f"lmloss sft: {note}", flush=True)
         head_mem = None
         if cfg.head_memory:
             head_mem = measure_head_memory(
@@ -280,12 +319,22 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     (bar.write if bar is not None else print)(report.step_line(metrics))
             if cfg.save_every and (self.step % cfg.save_every == 0 or self.step == cfg.steps):
-                checkpoint.save(out, step=self.step, model=self.model, optimizer=self.optimizer, mesh=mesh,
-                                state={"micro_batches_consumed": self.step * cfg.global_micro_batches,
-                                       "config": cfg.to_dict()})  # fmt: skip
+                self.save(log)
         if bar is not None:
             bar.close()
         return self._finish(log, head_mem) if main else None
+
+    def save(self, log: report.MetricsLog | None) -> None:
+        """A checkpoint after ``self.step`` steps (every rank calls it; `log` is the main rank's)."""
+        cfg = self.cfg
+        manifest = None
+        if log is not None:
+            manifest = {"steps": cfg.steps, "vocab_rows": self.vocab_rows, "run": self.identity,
+                        "metrics": log.checksum(), "config": cfg.to_dict()}  # fmt: skip
+        state = {"micro_batches_consumed": self.step * cfg.global_micro_batches + self.data_offset,
+                 "config": cfg.to_dict()}  # fmt: skip
+        checkpoint.save(cfg.out, step=self.step, model=self.model, optimizer=self.optimizer, mesh=self.mesh,
+                        state=state, manifest=manifest)  # fmt: skip
 
     def _announce(self, head_mem: dict[str, float] | None) -> None:
         cfg, m = self.cfg, self.mesh
@@ -294,8 +343,11 @@ class Trainer:
               f"(LM head shard {tuple(self.head.shape)}), vocab {self.true_vocab} padded to {self.vocab_rows}; "
               f"dp={m.dp} cp={m.cp} tp={m.tp}; {len(self.examples)} examples, "
               f"{cfg.global_micro_batches} x {cfg.tokens_per_batch} tokens per step; loss head: {cfg.loss_impl}")  # fmt: skip
-        if self.step:
-            print(f"resumed from {checkpoint.resolve(cfg.out, cfg.resume)} after step {self.step}")
+        if self.resume_point is not None and self.resume_point.note:
+            print(f"lmloss sft: {self.resume_point.note}")
+        if self.resume_point is not None:
+            print(f"resumed from {self.resume_point.path} after step {self.step}; training to step {cfg.steps} "
+                  f"(schedule of {cfg.total_schedule_steps} steps)")  # fmt: skip
         if self.truncated:
             print(
                 f"note: {self.truncated} example(s) were truncated to {cfg.tokens_per_batch} tokens (--truncate)"
@@ -315,7 +367,8 @@ class Trainer:
             "first_loss": rows[0]["loss"] if rows else math.nan,
             "last_loss": rows[-1]["loss"] if rows else math.nan,
             "min_loss": min((r["loss"] for r in rows), default=math.nan),
-            "last10_loss": sum(r["loss"] for r in rows[-10:]) / max(len(rows[-10:]), 1),
+            "tail_steps": len(rows[-10:]),  # the last 10 steps, or all of them in a shorter run
+            "tail_mean_loss": sum(r["loss"] for r in rows[-10:]) / max(len(rows[-10:]), 1),
             "losses": [r["loss"] for r in rows],
             "grad_norms": [r["grad_norm"] for r in rows],
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / max(len(rows), 1),

@@ -1,0 +1,141 @@
+"""The PyTorch reference of the two-distribution (student / teacher) chunk math (contract in `lmloss.kernels`).
+
+Per chunk it writes the two log-softmaxes over the valid columns (``ls``, ``lt``) and one or two work
+buffers, all reused across chunks (`ChunkScratch`); the partial sums and the gradient are read from the
+same buffers, so `divergence_partials_then_grad_` computes each elementwise term once. With
+``overwrite=True`` (the fused path's fp32 chunks, which are scratch of the caller's) the log-softmaxes are
+written over the chunks themselves, and the gradient lands in the student's chunk.
+
+Row sums are taken as ``bmm([c, 1, V] x [c, V, 1])``: a row-wise dot product with no ``[c, V]`` temporary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmloss.kernels import ChunkMath, compute_dtype
+from lmloss.kernels.torch_ref import ChunkScratch, _transform_into, serial_row_reductions
+
+_FP32_MIN = torch.finfo(torch.float32).min
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` for ``[c, V]`` a and b, without a ``[c, V]`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class TorchDistillKernels:
+    """`divergence_partials` / `divergence_grad_` / `divergence_partials_then_grad_` for one pass.
+
+    `scratch` may be the single-distribution kernels' own (`TorchKernels.scratch`): its ``"y"`` buffer is
+    free once the chunk's statistics are taken, and serves as the work buffer here.
+    """
+
+    name = "torch"
+    normalises_rows = True  # lse=None: each row's own log-softmax (one process)
+
+    def __init__(self, scratch: ChunkScratch) -> None:
+        self.scratch = scratch
+
+    # -- the contract
+
+    def divergence_partials(self, xs, xt, lse, math_: ChunkMath, beta: float, *, overwrite=False):
+        with serial_row_reductions(xs.shape[0], xs.device):
+            return self._terms(xs, xt, lse, math_, beta, overwrite)[0]
+
+    def divergence_grad_(self, xs, xt, lse, coef, math_: ChunkMath, beta: float, out, *, overwrite=False):
+        with serial_row_reductions(xs.shape[0], xs.device):
+            _, state = self._terms(xs, xt, lse, math_, beta, overwrite)
+            return self._grad(state, coef, math_, beta, out)
+
+    def divergence_partials_then_grad_(self, xs, xt, lse, math_: ChunkMath, beta: float, finish, out, *,
+                                       overwrite=False):  # fmt: skip
+        """``finish(partials) -> (result, coef)`` runs between the sums and the gradient (the TP SUM and
+        the per-row loss); the elementwise terms are not recomputed. Returns `result`."""
+        with serial_row_reductions(xs.shape[0], xs.device):
+            partials, state = self._terms(xs, xt, lse, math_, beta, overwrite)
+            result, coef = finish(partials)
+            self._grad(state, coef, math_, beta, out)
+        return result
+
+    # -- the math
+
+    def _log_softmax(self, name: str, x, lse_col, math_: ChunkMath, overwrite: bool) -> torch.Tensor:
+        """``scale * x - lse`` over the valid columns, floored at the fp32 minimum so that a column of
+        probability 0 (a -inf logit) adds exactly 0 to every ``p * (...)`` sum; in `x` when it is the
+        caller's scratch in the compute dtype, else in the buffer `name`. `lse_col` None: the row's own
+        log-softmax (one process, every column valid), in one fused ATen pass instead of three."""
+        acc = compute_dtype(x.dtype)
+        xv = x[:, : math_.valid]
+        if overwrite and x.dtype == acc:
+            out = _transform_into(xv, xv, math_, aliased=True, shift=lse_col)
+        else:
+            out = _transform_into(
+                self.scratch.get(name, x.shape[0], math_.valid, acc), xv, math_, shift=lse_col
+            )
+        if lse_col is None:
+            if not out.is_contiguous():
+                raise ValueError("lse=None needs every column valid (contiguous rows)")
+            if out.device.type == "cpu":  # in place: the CPU kernel reads each element before writing it
+                torch.log_softmax(out, -1, out=out)
+            else:  # no such promise elsewhere: a transient copy
+                out.copy_(torch.log_softmax(out, -1))
+        return out.clamp_(min=_FP32_MIN)
+
+    def _terms(self, xs, xt, lse, math_: ChunkMath, beta: float, overwrite: bool):
+        """Per-row local sums ``[c, 2]`` and the buffers the gradient reads (see `lmloss.kernels`)."""
+        rows, n_valid = xs.shape[0], math_.valid
+        acc = compute_dtype(xs.dtype)
+        partials = torch.zeros((rows, 2), dtype=acc, device=xs.device)
+        if n_valid == 0:
+            return partials, None
+        ls = self._log_softmax("ls", xs, None if lse is None else lse[:, 0], math_, overwrite)
+        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], math_, overwrite)
+        w = self.scratch.get("y", rows, n_valid, acc)
+        if beta == 0.0:  # sum p_t (lt - ls); the gradient is p_s - p_t
+            torch.exp(lt, out=w)  # p_t
+            lt.sub_(ls)
+            partials[:, 0] = _rowdot(w, lt)
+            return partials, ("forward", ls, w)
+        if beta == 1.0:  # sum p_s (ls - lt); the gradient is p_s (ls - lt - L)
+            torch.exp(ls, out=w)  # p_s
+            torch.sub(ls, lt, out=lt)
+            partials[:, 0] = _rowdot(w, lt)
+            return partials, ("reverse", ls, lt, w)
+        # log m = logaddexp(ls + log(1 - beta), lt + log(beta)); the two KLs against m
+        v = self.scratch.get("v", rows, n_valid, acc)
+        torch.add(ls, math.log1p(-beta), out=w)
+        torch.add(lt, math.log(beta), out=v)
+        torch.logaddexp(w, v, out=w)  # log m
+        torch.exp(lt, out=v)  # p_t
+        lt.sub_(w)
+        partials[:, 0] = _rowdot(v, lt)  # sum p_t (lt - log m)
+        torch.exp(ls, out=v)  # p_s
+        ls.sub_(w)
+        partials[:, 1] = _rowdot(v, ls)  # sum p_s (ls - log m)
+        return partials, ("jsd", ls, v)
+
+    def _grad(self, state, coef, math_: ChunkMath, beta: float, out):
+        """``out = coef[:, 0] * scale * g(coef[:, 1])``; rows whose weight is 0 get exactly 0."""
+        n_valid = math_.valid
+        if state is None:
+            return out.zero_()
+        kind, ls = state[0], state[1]
+        weight, subtract = coef[:, 0:1], coef[:, 1:2]
+        if kind == "forward":  # p_s - p_t
+            g = ls.exp_().sub_(state[2])
+        elif kind == "reverse":  # p_s * ((ls - lt) - L), written over ls (free once ls - lt exists)
+            _, _, diff, p_s = state
+            g = torch.sub(diff, subtract, out=ls).mul_(p_s)
+        else:  # p_s * ((1 - beta)(ls - log m) - S)
+            g = ls.mul_(1.0 - beta).sub_(subtract).mul_(state[2])
+        g.mul_(weight * math_.scale)
+        inactive = coef[:, 0] == 0
+        if torch.compiler.is_compiling() or bool(inactive.any()):
+            g.masked_fill_(inactive[:, None], 0.0)  # NaN / inf in an ignored row stay out
+        if out[:, :n_valid].data_ptr() != g.data_ptr() or out.dtype != g.dtype:
+            out[:, :n_valid].copy_(g)
+        out[:, n_valid:].zero_()
+        return out

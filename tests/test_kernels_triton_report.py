@@ -1,0 +1,57 @@
+"""The static sm_90 report (`lmloss.kernels.report`): how it reads SASS, on a hand-written listing, and the
+report itself for a vocabulary of 50257 (GPT-2's, no multiple of 16: every row starts at another 16-byte
+alignment) compiled ahead of time for an H100 without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmloss.kernels.report import innermost_loops, main_loops, measure
+from triton_support import report_for_h100
+
+# nvdisasm's layout: an outer loop around an inner one that streams with 16-byte accesses, a loop whose load
+# is predicated (an edge block), and a loop with 8-byte loads.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+.L_x_1:
+        /*0020*/                   LDG.E.EL.128 R8, desc[UR4][R2.64] ;
+        /*0030*/                   FADD R5, R8, R5 ;
+        /*0040*/                   STG.E.EF.128 desc[UR4][R2.64], R8 ;
+        /*0050*/              @P0 BRA `(.L_x_1) ;
+        /*0060*/              @P1 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/              @P2 LDG.E.U16 R8, desc[UR4][R2.64] ;
+        /*0080*/              @P0 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0090*/                   LDG.E.64 R8, desc[UR4][R2.64] ;
+        /*00a0*/                   LDG.E.64 R10, desc[UR4][R2.64] ;
+        /*00b0*/              @P0 BRA `(.L_x_3) ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_sass_reading_finds_innermost_streaming_loops_and_their_access_widths():
+    assert [len(body) for body in innermost_loops(SASS)] == [4, 2, 3]  # the outer loop is not innermost
+    inner, eight_byte = main_loops(SASS)  # the predicated edge loop is not a main loop
+    # 4 instructions for 16 bytes loaded per thread = 8 bf16 elements
+    assert measure(inner, element_size=2) == (True, 4, 8.0)
+    assert measure(eight_byte, element_size=2) == (False, 3, 8.0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_report_for_width_50257_has_no_spills_and_16_byte_main_loops(tmp_path):
+    """Every kernel the ops launch, with every option on (temperature, softcap, entropy, smoothing, z-loss),
+    compiles for sm_90 without spills, and every main loop moves x (and the gradient) 16 bytes at a time."""
+    rows = report_for_h100(["--vocab", "50257", "--all-options"], tmp_path)
+    roles = {(r["kernel"], r["role"]) for r in rows}
+    assert roles == {
+        ("softmax_partials", "forward"),
+        ("softmax_grad", "backward"),
+        ("cross_entropy_loss_and_grad", "cross_entropy_pass1"),
+        ("cross_entropy_loss_and_grad", "cross_entropy_pass2"),
+    }
+    for r in rows:
+        assert r["vocab"] == "50257" and r["spills"] == 0 and r["vectorized_main_loop"], r
+        assert r["instructions_per_element"] > 0 and r["registers"] > 0, r

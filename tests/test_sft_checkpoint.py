@@ -1,0 +1,210 @@
+"""`lmloss sft` checkpoints and resume: checksums, falling back past a damaged checkpoint, the resumed run's
+settings (steps, schedule, what may change) and its metrics log.
+
+One uninterrupted 6-step run (checkpoints at steps 2, 4, 6) is shared by every test; each test copies it and
+turns the copy into the state it needs (interrupted after step 4, a damaged file, a foreign log), then
+resumes through the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from lmloss.sft import cli, report, tasks  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread", "small_runs")
+SMALL_DATA: list[str] = []  # ["--data", path]: set by `small_runs`
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory):
+    """Every run here on 300 records of the embedded task set (tokenizing all 3,000 costs each run half a
+    second), without drawing loss.png (matplotlib: most of a short run's time)."""
+    path = tmp_path_factory.mktemp("data") / "tasks.jsonl"
+    tasks.write_jsonl(tasks.generate(300), path)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(report, "plot_loss", lambda *args: None)
+    SMALL_DATA[:] = ["--data", str(path)]
+    yield
+    SMALL_DATA.clear()
+    patch.undo()
+
+
+STEPS, LR, MIN_LR_RATIO, WARMUP = 6, 1e-2, 0.1, 2
+FLAGS = ["--tokens-per-batch", "256", "--warmup-steps", str(WARMUP), "--save-every", "2", "--no-progress",
+         "--no-head-memory", "--no-track-memory", "--device", "cpu"]  # fmt: skip
+
+
+def _sft(capsys, out: Path, *argv: str) -> tuple[int, str, str]:
+    code = cli.standalone(["--out", str(out), *SMALL_DATA, *FLAGS, *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint / "tp0.pt", weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, small_runs) -> Path:
+    """The uninterrupted run: 6 steps, checkpoints after steps 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("sft_full") / "run"
+    assert cli.standalone(["--out", str(out), "--steps", str(STEPS), *SMALL_DATA, *FLAGS]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_2", "step_4", "step_6"]
+    return out
+
+
+def _interrupted(full: Path, dst: Path, *, after: int = 4) -> Path:
+    """A copy of `full` as if killed during step `after` + 1: checkpoints up to `after`, its metrics line
+    half written."""
+    shutil.copytree(full, dst)
+    for ckpt in (dst / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > after:
+            shutil.rmtree(ckpt)
+    (dst / "checkpoints" / "latest").write_text(f"step_{after}")
+    lines = (full / "metrics.jsonl").read_text().splitlines()
+    (dst / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines[:after]) + lines[after][:40])
+    (dst / "summary.json").unlink()
+    return dst
+
+
+def _flip_byte(path: Path, at: float = 0.5) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[int(len(raw) * at)] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(full, tmp_path, capsys, damage):
+    out = _interrupted(full, tmp_path / "run")
+    shard = out / "checkpoints" / "step_4" / "tp0.pt"
+    if damage == "flipped byte":
+        _flip_byte(shard)  # inside the tensor data: torch.load would read it without complaint
+    else:
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, printed, err = _sft(capsys, out, "--resume", "latest")  # --steps: the resumed run's 6
+    assert code == 0, err
+    reason = "tp0.pt fails its sha256 check" if damage == "flipped byte" else "tp0.pt is truncated"
+    notes = [ln for ln in printed.splitlines() if "not intact" in ln]
+    assert len(notes) == 1 and reason in notes[0] and "resuming from step_2" in notes[0]
+    assert "dropped a torn last line" in printed
+    resumed, uninterrupted = (
+        _weights(out / "checkpoints" / "step_6"),
+        _weights(full / "checkpoints" / "step_6"),
+    )
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
+    # the log holds the run's 6 steps once (steps 3-4 recomputed, bit for bit), the summary all of them
+    assert _without_timing(_rows(out)) == _without_timing(_rows(full))
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["first_step"], summary["last_step"]) == (1, STEPS)
+
+
+def test_no_intact_checkpoint_stops_in_one_line_and_resumes_nothing(full, tmp_path, capsys):
+    out = _interrupted(full, tmp_path / "run")
+    _flip_byte(out / "checkpoints" / "step_4" / "tp0.pt")
+    (out / "checkpoints" / "step_2" / "manifest.json").unlink()  # as if its save never finished
+    code, _, err = _sft(capsys, out, "--resume", "latest")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "no intact checkpoint" in err and "step_4 (tp0.pt fails its sha256 check)" in err
+    assert "step_2 (no manifest.json" in err
+    code, _, err = _sft(capsys, out, "--resume", str(out / "checkpoints" / "step_4"))  # named: no fallback
+    assert code == 2 and err.count("\n") == 1 and "not intact (tp0.pt fails its sha256 check)" in err
+    assert not (out / "checkpoints" / "step_6").exists()
+
+
+def test_resume_refuses_changed_run_settings_unless_overridden(full, tmp_path, capsys):
+    out = _interrupted(full, tmp_path / "run")
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--lr", "0.02", "--seed", "1")
+    assert code == 2 and err.count("\n") == 1
+    assert "would change the run: lr (0.01 -> 0.02), seed (0 -> 1)" in err and "--override lr,seed" in err
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--lr", "0.02", "--seed", "1", "--override", "lr")
+    assert code == 2 and "seed (0 -> 1)" in err and "lr (" not in err
+    data = tmp_path / "other.jsonl"
+    data.write_text('{"prompt": "add: 1 + 1\\n", "response": " 2"}\n' * 50)
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--data", str(data), "--tokens-per-batch", "128")
+    assert (
+        code == 2
+        and "data (sha256 " in err
+        and "tokenizer (sha256 " in err
+        and "tokens_per_batch (256 -> 128)" in err
+    )
+    code, _, err = _sft(
+        capsys, out, "--resume", "latest", "--lr", "0.02", "--seed", "1", "--override", "lr,seed"
+    )
+    assert code == 0, err
+    assert [r["step"] for r in _rows(out)] == list(range(1, STEPS + 1))
+    # the changed lr is what the resumed steps used: step 5 (index 4) on the original cosine at the new peak
+    progress = (4 - WARMUP) / (STEPS - WARMUP)
+    assert _rows(out)[4]["lr"] == pytest.approx(
+        0.02 * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+    )
+
+
+def test_resume_trains_on_at_the_original_schedule_and_needs_more_steps(full, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(full, out)
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5")
+    assert code == 2 and err.count("\n") == 1
+    assert "nothing to train: checkpoint" in err and "is at step 6 and --steps is 5" in err
+    assert "pass --steps greater than 6" in err
+    assert _sft(capsys, out, "--resume", "latest")[0] == 2  # --steps left out: the run's 6, also done
+    # another run's log in its place: the resumed run's summary must not take it up
+    (out / "metrics.jsonl").write_text(json.dumps({**_rows(full)[0], "loss": 99.0}) + "\n")
+    code, printed, err = _sft(capsys, out, "--resume", "latest", "--steps", "8")
+    assert code == 0, err
+    assert "does not hold this run's 6 line(s) up to step 6" in printed
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [7, 8]
+    assert [r["lr"] for r in rows] == [LR * MIN_LR_RATIO] * 2  # the cosine ended at step 6 and stays there
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_step"] == 7 and 99.0 not in summary["losses"]
+    assert "(mean of the last 2:" in printed
+    # re-stretching the schedule is a change of the run: named explicitly
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "10", "--schedule-steps", "10")
+    assert code == 2 and "schedule_steps (6 -> 10)" in err
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "9", "--schedule-steps", "10",
+                        "--override", "schedule_steps")  # fmt: skip
+    assert code == 0, err
+    progress = (8 - WARMUP) / (10 - WARMUP)  # row 9 is step index 8
+    expected = LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+    assert _rows(out)[-1]["step"] == 9 and _rows(out)[-1]["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_resume_with_another_tp_stops_before_any_process_starts(full, tmp_path, capsys):
+    code, _, err = _sft(
+        capsys, full, "--resume", "latest", "--steps", "8", "--tp", "2", "--vocab-size", "512"
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert "was written with tp=1; resume with --tp 1" in err
+
+
+def test_resume_with_more_micro_batches_per_step_continues_the_data_where_it_stopped(full, tmp_path, capsys):
+    out = _interrupted(full, tmp_path / "run")  # 4 micro-batches consumed, one per step
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5", "--micro-batches", "2")
+    assert code == 2 and "micro_batches (1 -> 2)" in err
+    code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5", "--micro-batches", "2",
+                        "--override", "micro_batches")  # fmt: skip
+    assert code == 0, err
+    # step 5 takes micro-batches 4 and 5: the uninterrupted run's steps 5 and 6, one each
+    step5 = _rows(out)[4]
+    assert step5["step"] == 5
+    assert step5["n_tokens"] == _rows(full)[4]["n_tokens"] + _rows(full)[5]["n_tokens"]
