@@ -1,6 +1,6 @@
 """lmloss: per-token log-probs, entropy and cross-entropy for huge vocabularies, at the lowest peak memory."""
 
-from lmloss import cp, distributed, metrics, packing
+from lmloss import cp, distributed, metrics, packing, rl
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
 from lmloss.logits import cross_entropy, token_entropy, token_logprobs
@@ -20,6 +20,7 @@ __all__ = [
     "pack",
     "packing",
     "pipeline_stage_keys",
+    "rl",
     "shift_labels",
     "token_entropy",
     "token_logprobs",

@@ -35,6 +35,8 @@ from lmloss.vocab_parallel import (
 
 OUTPUTS = ("logprobs", "entropy", "loss")
 ChunkSource = Callable[[int, int], torch.Tensor]
+#: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `forward_pass`)
+Upstream = Callable[[int, int, dict], dict]
 
 
 class GradSink(Protocol):
@@ -221,11 +223,15 @@ def forward_pass(
     device: torch.device,
     dtype: torch.dtype,
     grad_sink: GradSink | None = None,
+    upstream: Upstream | None = None,
 ) -> dict[str, torch.Tensor]:
     """Walk the chunks once: per-token outputs ``[n]`` (and ``"lse"``), fp32 (fp64 for fp64 inputs).
 
     With `grad_sink`, also the gradient of ``sum(loss)`` (upstream 1 per token), computed while each
     chunk's logits are at hand and handed to the sink: the scalar-loss paths need no backward pass.
+    With `upstream` too, the gradient of an objective of the per-token outputs instead:
+    ``upstream(s, e, stats)`` gets the chunk's outputs and returns their upstream gradients (``{"logprobs":
+    [c], "entropy": [c]}``, as in `grad_coefficients`), e.g. an RL objective's (`lmloss.rl`).
     """
     keys = (*plan.outputs, "lse")
     results = {k: torch.empty(n, dtype=compute_dtype(dtype), device=device) for k in keys}
@@ -241,7 +247,18 @@ def forward_pass(
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
-        if grad_sink is None:
+        if grad_sink is not None and upstream is not None:
+            partials = kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags)
+            stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
+            grads = upstream(s, e, stats)
+            coef = grad_coefficients(plan, chunk_labels, stats["lse"], grads)
+            entropy = stats["entropy"] if grads.get("entropy") is not None else None
+            grad = kernels.softmax_grad_(
+                x, chunk_labels, stats["lse"], entropy, coef, plan.math, grad_sink.buffer(s, e, x),
+                uniform_term=has_uniform_term(plan, grads),
+            )  # fmt: skip
+            grad_sink.consume(s, e, grad)
+        elif grad_sink is None:
             partials = kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite)
             stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
         else:
