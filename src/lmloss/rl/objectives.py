@@ -349,6 +349,11 @@ def policy_loss(
     x = PerToken(
         shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, token_weights
     )
+    if cu_seqlens is not None:  # checked whether or not a mode reads it: wrong boundaries are a bug upstream
+        if len(shape) != 1:
+            raise ValueError(f"cu_seqlens is for packed 1-D tokens; logprobs have shape {tuple(shape)}")
+        if sequence_ids is None:
+            sequence_index(shape, logprobs.device, cu_seqlens=cu_seqlens, need="cu_seqlens")
     if x.token_weights is None:
         w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype)
     else:
