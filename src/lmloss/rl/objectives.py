@@ -203,6 +203,24 @@ class PerToken:
                 setattr(self, k, None)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """SUM over `group`; the backward sums the gradients over it too (each rank's input feeds every
+    rank's output)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _seq_log_ratio(
     log_ratio: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group: ProcessGroup | None
 ) -> torch.Tensor:
@@ -217,9 +235,7 @@ def _seq_log_ratio(
         0, seq, torch.stack([torch.where(mask, log_ratio, 0.0), mask.to(log_ratio.dtype)], 1)
     )
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        from torch.distributed.nn.functional import all_reduce
-
-        sums = all_reduce(sums, op=dist.ReduceOp.SUM, group=cp_group)
+        sums = _AllReduceSum.apply(sums, cp_group)
     per_seq = sums[:, 0] / sums[:, 1].clamp(min=1.0)
     return per_seq[seq].detach()
 
