@@ -247,30 +247,15 @@ def forward_pass(
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
-        if grad_sink is not None and upstream is not None:
-            partials = kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags)
-            stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-            grads = upstream(s, e, stats)
-            coef = grad_coefficients(plan, chunk_labels, stats["lse"], grads)
-            entropy = stats["entropy"] if grads.get("entropy") is not None else None
-            grad = kernels.softmax_grad_(
-                x, chunk_labels, stats["lse"], entropy, coef, plan.math, grad_sink.buffer(s, e, x),
-                uniform_term=has_uniform_term(plan, grads),
-            )  # fmt: skip
-            grad_sink.consume(s, e, grad)
-        elif grad_sink is None:
+        if grad_sink is None:
             partials = kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite)
             stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
         else:
 
-            def finish_with_grad(partials, chunk_labels=chunk_labels):
+            def finish_with_grad(partials, chunk_labels=chunk_labels, s=s, e=e):
                 stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-                ones = torch.ones_like(stats["lse"])
-                return (
-                    stats,
-                    grad_coefficients(plan, chunk_labels, stats["lse"], {"loss": ones}),
-                    stats["lse"],
-                )
+                grads = {"loss": torch.ones_like(stats["lse"])} if upstream is None else upstream(s, e, stats)
+                return stats, grad_coefficients(plan, chunk_labels, stats["lse"], grads), stats["lse"]
 
             out = grad_sink.buffer(s, e, x)
             if one_kernel:  # statistics, loss and gradient in one read of the chunk (one process only)
@@ -280,6 +265,12 @@ def forward_pass(
                     out=out,
                 )  # fmt: skip
                 grad = out
+            elif upstream is not None and "entropy" in plan.outputs:
+                # an entropy term in the gradient needs each row's H: the partials, then the gradient kernel
+                stats, coef, lse = finish_with_grad(kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags))
+                grad = kernels.softmax_grad_(
+                    x, chunk_labels, lse, stats["entropy"], coef, plan.math, out, uniform_term=uniform
+                )
             else:
                 stats, grad = kernels.partials_then_grad_(
                     x, chunk_labels, plan.math, plan.flags, finish_with_grad, out, uniform_term=uniform
