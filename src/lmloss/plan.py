@@ -255,7 +255,10 @@ def forward_pass(
             def finish_with_grad(partials, chunk_labels=chunk_labels, s=s, e=e):
                 stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
                 grads = {"loss": torch.ones_like(stats["lse"])} if upstream is None else upstream(s, e, stats)
-                return stats, grad_coefficients(plan, chunk_labels, stats["lse"], grads), stats["lse"]
+                coef = grad_coefficients(plan, chunk_labels, stats["lse"], grads)
+                if grads.get("entropy") is not None:  # the gradient's d term needs each row's H
+                    return stats, coef, stats["lse"], stats["entropy"]
+                return stats, coef, stats["lse"]
 
             out = grad_sink.buffer(s, e, x)
             if one_kernel:  # statistics, loss and gradient in one read of the chunk (one process only)
@@ -265,12 +268,6 @@ def forward_pass(
                     out=out,
                 )  # fmt: skip
                 grad = out
-            elif upstream is not None and "entropy" in plan.outputs:
-                # an entropy term in the gradient needs each row's H: the partials, then the gradient kernel
-                stats, coef, lse = finish_with_grad(kernels.softmax_partials(x, chunk_labels, plan.math, **plan.flags))
-                grad = kernels.softmax_grad_(
-                    x, chunk_labels, lse, stats["entropy"], coef, plan.math, out, uniform_term=uniform
-                )
             else:
                 stats, grad = kernels.partials_then_grad_(
                     x, chunk_labels, plan.math, plan.flags, finish_with_grad, out, uniform_term=uniform

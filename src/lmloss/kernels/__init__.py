@@ -27,6 +27,11 @@ into `out` (any float dtype; `out` may be `x` itself), from the per-row coeffici
 where a term whose coefficient is 0 adds exactly 0, ``p * (logp + H)`` is 0 where ``p == 0``, and a row
 whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
+
+``partials_then_grad_(x, labels, math, flags, finish, out) -> (result, out)``: the two in one visit of the
+chunk, with ``finish(partials) -> (result, coef, lse)`` or ``(result, coef, lse, entropy)`` in between (the
+TP combine and the output math; the coefficients may depend on the chunk's own outputs, as an RL
+objective's do). It returns ``entropy`` when ``coef`` has a ``d`` term (then ``flags["entropy"]`` is set).
 """
 
 from __future__ import annotations
