@@ -259,7 +259,7 @@ def test_metrics_are_masked_statistics_and_the_tracker_exports_the_same():
     for k, v in expected.items():
         torch.testing.assert_close(m[k], v, **REL)
         assert math.isclose(exported[k], v.item(), rel_tol=1e-9), k
-    assert exported["n_valid_tokens"] == mask.sum().item()
+    assert exported["policy_tokens"] == mask.sum().item()
 
 
 # ----------------------------------------------------------------------------------- rollout correction

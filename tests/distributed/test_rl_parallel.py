@@ -34,7 +34,7 @@ TOL = dict(rtol=1e-12, atol=1e-13)
 AGG_MODES = lmloss.rl.LOSS_AGG_MODES
 CASES = [("vanilla", agg) for agg in AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("gspo", "token-mean")]
 METRIC_KEYS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ratio_mean", "ratio_max", "ratio_min", "entropy",
-               "pg_loss", "kl_loss", "entropy_loss", "n_valid_tokens")  # fmt: skip
+               "pg_loss", "kl_loss", "entropy_loss", "policy_tokens")  # fmt: skip
 V, H = 10, 3  # the DDP model and the fused head
 
 

@@ -253,7 +253,8 @@ def record_metrics(
     shares add up over ranks and micro-batches; the tracker records them with ``reduce="sum"``). Means over
     valid tokens: ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (``mean(old - lp)``), ``ratio_mean``,
     ``entropy``; extremes ``ratio_max`` / ``ratio_min``. The tracker's ``export()`` divides after its
-    all-reduce, so the means do not depend on the DP / CP / micro-batch split.
+    all-reduce, so the means do not depend on the DP / CP / micro-batch split. The tracker's denominator
+    is ``"policy_tokens"`` (the valid tokens, also exported), apart from a caller's own ``"n_valid_tokens"``.
     """
     n = mask.sum(dtype=torch.float64)
     f64 = {k: v.double() for k, v in parts.items()}
@@ -279,9 +280,9 @@ def record_metrics(
     }
     out = {**shares, **{k: mean(v) for k, v in means.items()}, **extremes}
     if tracker is not None:
-        tracker.denominator("n_valid_tokens", mask)
+        tracker.denominator("policy_tokens", mask)
         for k, v in means.items():
-            tracker.stat(k, v, denominator="n_valid_tokens")
+            tracker.stat(k, v, denominator="policy_tokens")
         for k, v in shares.items():
             tracker.scalar(k, v, reduce="sum")
         tracker.scalar("ratio_max", extremes["ratio_max"], reduce="max")
