@@ -195,9 +195,10 @@ class TorchKernels:
             log_p = work.sub_((lse - partials[:, 0])[:, None])
             p = torch.exp(log_p, out=self.scratch.get("exps", *log_p.shape, log_p.dtype))
             if entropy is None:
-                work.copy_(p).mul_(coef[:, 0:1])
-            else:
-                log_p.add_(entropy[:, None]).mul_(p).mul_(coef[:, 3:4]).addcmul_(p, coef[:, 0:1])
+                torch.mul(p, coef[:, 0:1], out=work)
+            else:  # p * (d * (log p + H) + a), with the per-row terms folded first: three passes
+                d = coef[:, 3:4]
+                log_p.mul_(d).add_(d * entropy[:, None] + coef[:, 0:1]).mul_(p)
         self._finish_grad_(work, None, labels, coef, math, uniform_term)
         out[:, math.valid :].zero_()
         return result, out
