@@ -31,7 +31,8 @@ None when no row has ``d != 0``.
 ``partials_then_grad_(x, labels, math, flags, finish, out) -> (result, out)``: the two in one visit of the
 chunk, with ``finish(partials) -> (result, coef, lse)`` or ``(result, coef, lse, entropy)`` in between (the
 TP combine and the output math; the coefficients may depend on the chunk's own outputs, as an RL
-objective's do). It returns ``entropy`` when ``coef`` has a ``d`` term (then ``flags["entropy"]`` is set).
+objective's do). `finish` returns ``entropy`` when ``coef`` has a ``d`` term (then ``flags["entropy"]``
+is set).
 """
 
 from __future__ import annotations
