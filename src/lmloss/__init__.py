@@ -9,7 +9,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
-from lmloss import cp, distributed, metrics, packing
+from lmloss import cp, distributed, metrics, packing, rl
 from lmloss.distill import distillation_loss, linear_distillation_loss
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
@@ -35,6 +35,7 @@ __all__ = [
     "pack",
     "packing",
     "pipeline_stage_keys",
+    "rl",
     "shift_labels",
     "token_entropy",
     "token_logprobs",

@@ -40,6 +40,8 @@ OUTPUTS = ("logprobs", "entropy", "loss")
 #: all-reduce partials of different sizes).
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 ChunkSource = Callable[[int, int], torch.Tensor]
+#: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `forward_pass`)
+Upstream = Callable[[int, int, dict], dict]
 
 
 class GradSink(Protocol):
@@ -255,15 +257,20 @@ def forward_pass(
     dtype: torch.dtype,
     grad_sink: GradSink | None = None,
     grad_scale: torch.Tensor | None = None,
+    upstream: Upstream | None = None,
 ) -> dict[str, torch.Tensor]:
     """Walk the chunks once: per-token outputs ``[n]`` (and ``"lse"``), fp32 (fp64 for fp64 inputs).
 
     With `grad_sink`, also the gradient of ``grad_scale * sum(loss)`` (`grad_scale`: a 0-d device tensor,
     ``1 / count`` for a mean; None for 1), computed while each chunk's logits are at hand and handed to the
     sink: the scalar-loss paths need no backward pass, and the gradient comes out already scaled.
+    With `upstream` instead of `grad_scale`, the gradient of an objective of the per-token outputs:
+    ``upstream(s, e, stats)`` gets the chunk's outputs and returns their upstream gradients (``{"logprobs":
+    [c], "entropy": [c]}``, as in `grad_coefficients`), e.g. an RL objective's (`lmloss.rl`).
     """
     if plan.sampling is not None and grad_sink is not None:
         raise ValueError("top_k / top_p / min_p are for per-token outputs, not a summed loss")
+    assert grad_scale is None or upstream is None, "an upstream objective carries its own scale"
     keys = (*plan.returned, "lse")
     if plan.sampling is not None:
         keys = (*keys, "keep_min", "dropped")
@@ -304,15 +311,18 @@ def forward_pass(
                     stats["log_kept_mass"] = stats["lse"] - full_lse
         else:
 
-            def finish_with_grad(partials, chunk_labels=chunk_labels):
+            def finish_with_grad(partials, chunk_labels=chunk_labels, s=s, e=e):
                 stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-                lse = stats["lse"]
-                per_token = torch.ones_like(lse) if grad_scale is None else grad_scale.to(lse.dtype).expand_as(lse)
-                return (
-                    stats,
-                    grad_coefficients(plan, chunk_labels, stats["lse"], {"loss": per_token}),
-                    stats["lse"],
-                )
+                if upstream is not None:
+                    grads = upstream(s, e, stats)
+                elif grad_scale is None:
+                    grads = {"loss": torch.ones_like(stats["lse"])}
+                else:
+                    grads = {"loss": grad_scale.to(stats["lse"].dtype).expand_as(stats["lse"])}
+                coef = grad_coefficients(plan, chunk_labels, stats["lse"], grads)
+                if grads.get("entropy") is not None:  # the gradient's d term needs each row's H
+                    return stats, coef, stats["lse"], stats["entropy"]
+                return stats, coef, stats["lse"]
 
             out = grad_sink.buffer(s, e, x)
             if one_kernel:  # statistics, loss and gradient in one read of the chunk (one process only)

@@ -16,6 +16,9 @@ Each impl computes one *objective*, and is checked against the naive row of the 
   per-token upstream ``u`` (fused workload: what an RL policy loss hands the LM head).
 * ``distill``: ``mean_t KL(p_teacher,t || p_student,t)`` (forward KL, fused workload; the teacher head is
   derived from the case's tensors, `_teacher_of`); its speed floor is the ``distill-floor`` row (four matmuls).
+* ``ppo``: `lmloss.rl.policy_loss` (PPO clip + dual clip + k3 KL + entropy bonus, token-mean) of the
+  log-probs at temperature ``TEMPERATURE`` (fused workload; old / reference log-probs and advantages made
+  from ``u``, `_ppo_inputs`).
 """
 
 from __future__ import annotations
@@ -446,6 +449,56 @@ def _lmloss_fused_rl(chunk: int | str | None, kwargs: dict) -> Step:
     return step
 
 
+#: The ``ppo`` objective's options (`lmloss.rl.policy_loss` names).
+PPO_OPTIONS = dict(clip_ratio=0.2, clip_ratio_c=3.0, kl_loss_type="k3", kl_loss_coef=0.01, entropy_coeff=ENTROPY_COEF)
+
+
+def _ppo_inputs(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Old log-probs, advantages, reference log-probs ``[T]`` from the upstream ``u``: around the log-prob of a
+    uniform guess (random logits put every token near it), so some ratios clip and some do not."""
+    base = -torch.log(torch.tensor(float(x.weight.shape[0]))) - 0.5
+    old = base + 0.3 * x.upstream
+    return old, x.upstream, old - 0.1 * x.upstream.sign()
+
+
+def _naive_fused_ppo(x: Inputs) -> torch.Tensor:
+    logp = F.log_softmax((x.hidden @ x.weight.T).float() / TEMPERATURE, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    old, adv, ref = _ppo_inputs(x)
+    mask = torch.ones_like(x.labels, dtype=torch.bool)
+    loss, _ = lmloss.rl.policy_loss(logp.gather(1, x.labels[:, None])[:, 0], old, adv, mask, ref_logprobs=ref,
+                                    entropy=entropy, **PPO_OPTIONS)  # fmt: skip
+    loss.backward()
+    return loss.detach()
+
+
+def _lmloss_fused_ppo(chunk: int | str | None, kwargs: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        old, adv, ref = _ppo_inputs(x)
+        loss, _ = lmloss.rl.linear_policy_loss(
+            x.hidden, x.weight, x.labels, old, adv, ref_logprobs=ref, temperature=TEMPERATURE, chunk_size=chunk,
+            **PPO_OPTIONS, **kwargs,
+        )  # fmt: skip
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _lmloss_two_pass_ppo(chunk: int | str | None, kwargs: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        old, adv, ref = _ppo_inputs(x)
+        logp, entropy = lmloss.linear_token_logprobs(
+            x.hidden, x.weight, x.labels, chunk_size=chunk, temperature=TEMPERATURE, return_entropy=True, **kwargs
+        )
+        mask = torch.ones_like(x.labels, dtype=torch.bool)
+        loss, _ = lmloss.rl.policy_loss(logp, old, adv, mask, ref_logprobs=ref, entropy=entropy, **PPO_OPTIONS)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def _torch_fused() -> tuple[Step | None, str | None]:
     fn = getattr(F, "linear_cross_entropy", None)
     options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
@@ -674,8 +727,8 @@ LOGITS_IMPLS = (
     "naive", "chunked", "inplace", "naive-entropy", "entropy", "compile", "liger", "megatron", *SAMPLING_ROWS,
 )  # fmt: skip
 FUSED_IMPLS = (
-    "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "compile", "torch-fused", "cce", "liger",
-    "matmul-floor", "naive-distill", "fused-distill", "distill-floor",
+    "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "naive-ppo", "fused-ppo", "two-pass-ppo", "compile",
+    "torch-fused", "cce", "liger", "matmul-floor", "naive-distill", "fused-distill", "distill-floor",
 )  # fmt: skip
 IMPLS_BY_WORKLOAD = {"logits": LOGITS_IMPLS, "fused": FUSED_IMPLS}
 #: What runs when ``--impl`` is not given: on CPU the sweep of the README's table; on CUDA every row.
@@ -760,6 +813,12 @@ def build_impls(
                 out.append(Impl(name, "-", _naive_fused_rl, is_reference=True, objective="rl"))
             elif name == "fused-rl":
                 lmloss_rows(name, "linear_token_logprobs", _lmloss_fused_rl, "rl")
+            elif name == "naive-ppo":
+                out.append(Impl(name, "-", _naive_fused_ppo, is_reference=True, objective="ppo"))
+            elif name == "fused-ppo":
+                lmloss_rows(name, "rl.linear_policy_loss", _lmloss_fused_ppo, "ppo")
+            elif name == "two-pass-ppo":
+                lmloss_rows(name, "linear_token_logprobs", _lmloss_two_pass_ppo, "ppo")
             elif name == "compile":
                 step, reason = _compiled_step(
                     _naive_ce_expression, lambda x: (x.hidden, x.weight, x.labels), device

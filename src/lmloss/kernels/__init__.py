@@ -30,6 +30,12 @@ logits themselves are then finite in every row the ops produce), ``p * (logp + H
 and a row whose coefficients are all 0 gets exactly 0 whatever its logits (NaN, inf). `entropy` ``[c]`` (``H``) is
 None when no row has ``d != 0``.
 
+``partials_then_grad_(x, labels, math, flags, finish, out) -> (result, out)``: the two in one visit of the
+chunk, with ``finish(partials) -> (result, coef, lse)`` or ``(result, coef, lse, entropy)`` in between (the
+TP combine and the output math; the coefficients may depend on the chunk's own outputs, as an RL
+objective's do). `finish` returns ``entropy`` when ``coef`` has a ``d`` term (then ``flags["entropy"]``
+is set).
+
 The scalar-loss paths (``reduction="sum" / "mean"`` with the gradient computed in the forward) fold the
 reduction's factor into the gradient there: ``grad_scale`` (a 0-d device tensor, ``1 / count`` for a mean)
 multiplies the per-token upstream, so the gradient comes out already scaled and no host sync is needed.

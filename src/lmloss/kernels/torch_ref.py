@@ -245,27 +245,38 @@ class TorchKernels:
     def partials_then_grad_(
         self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True, keep_min=None
     ):
-        """`softmax_partials`, then ``finish(partials) -> (result, coef)`` (the TP combine and the output
-        math), then `softmax_grad_` into `out`; returns `result`.
+        """`softmax_partials`, then ``finish(partials) -> (result, coef, lse[, entropy])`` (the TP combine and
+        the output math), then `softmax_grad_` into `out`; returns `result`.
 
         When `out` is an fp32 `x` with no softcap (the fused path's own chunk, or fp32 logits in the
         in-place mode), the exps of the forward are turned into the gradient without recomputing them:
-        ``p = exps * exp(m - lse)``.
+        ``p = exps * exp(m - lse)`` (with the entropy flag the chunk holds ``y - m`` instead, and ``p`` is one
+        exp of ``log p`` into the partials' own scratch: no third chunk-sized buffer).
         """
-        reuse = out is x and x.dtype == torch.float32 and not math.softcap and not flags.get("entropy")
+        reuse = out is x and x.dtype == torch.float32 and not math.softcap
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
                 reuse = False
                 partials = self._partials_kept(x, labels, math, keep_min=keep_min, **flags)
             else:
                 partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
-        result, coef, lse = finish(partials)
+        result, coef, lse, *rest = finish(partials)
+        entropy = rest[0] if rest else None
         if not reuse:
             return result, self.softmax_grad_(
-                x, labels, lse, None, coef, math, out, uniform_term=uniform_term, keep_min=keep_min
+                x, labels, lse, entropy, coef, math, out, uniform_term=uniform_term, keep_min=keep_min
             )
         work = x[:, : math.valid]
-        work.mul_((coef[:, 0] * torch.exp(partials[:, 0] - lse))[:, None])
+        if not flags.get("entropy"):  # the partials left exp(y - m) in the chunk
+            work.mul_((coef[:, 0] * torch.exp(partials[:, 0] - lse))[:, None])
+        else:  # they left y - m (floored, as in softmax_grad_): log p = (y - m) - (lse - m), p from it
+            log_p = work.sub_((lse - partials[:, 0])[:, None])
+            p = torch.exp(log_p, out=self.scratch.get("exps", *log_p.shape, log_p.dtype))
+            if entropy is None:
+                torch.mul(p, coef[:, 0:1], out=work)
+            else:  # p * (d * (log p + H) + a), with the per-row terms folded first: three passes
+                d = coef[:, 3:4]
+                log_p.mul_(d).add_(d * entropy[:, None] + coef[:, 0:1]).mul_(p)
         self._finish_grad_(work, None, labels, coef, math, uniform_term)
         out[:, math.valid :].zero_()
         return result, out

@@ -686,10 +686,10 @@ class TritonKernels:
         return softmax_grad_(x, labels, lse, entropy, coef, math, out)
 
     def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True):
-        """Partials, then ``finish(partials) -> (result, coef, lse)`` (TP combine, output math), then the
-        gradient into `out` (which may be `x`). Returns ``(result, out)``."""
-        result, coef, lse = finish(softmax_partials(x, labels, math, **flags))
-        return result, softmax_grad_(x, labels, lse, None, coef, math, out)
+        """Partials, then ``finish(partials) -> (result, coef, lse[, entropy])`` (TP combine, output math),
+        then the gradient into `out` (which may be `x`). Returns ``(result, out)``."""
+        result, coef, lse, *rest = finish(softmax_partials(x, labels, math, **flags))
+        return result, softmax_grad_(x, labels, lse, rest[0] if rest else None, coef, math, out)
 
     def loss_and_grad_(
         self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out, grad_scale=None

@@ -1,0 +1,262 @@
+"""lmloss.rl under data, context and tensor parallelism: 4 gloo ranks, one spawned run, float64.
+
+One global batch of 8 packed sequences (64 tokens; lengths divisible by 4 for the zigzag CP=2 layout;
+prompt groups that span DP ranks). Each configuration splits it and every rank returns its loss *share*,
+the gradient of that share at its tokens (with their global positions) and its exported metrics; the
+test process sums the shares and assembles the gradients, and compares them with the one-process loss of
+the whole batch (pinned to verl's formulas in tests/test_rl.py) to 1e-12:
+
+  dp2_mb2   DP=2 (groups {0,1} and {2,3}, the same work twice) x 2 micro-batches per rank: `token_weights`
+            on each rank's whole sequences with ``group=dp``, then sliced into micro-batches;
+  dp2_cp2   DP=2 ({0,2}, {1,3}) x CP=2 ({0,1}, {2,3}, zigzag): weights before `lmloss.cp.split`; gspo's
+            per-sequence log-ratio sums all-reduced over CP;
+  ddp       DP=2 with `DistributedDataParallel` (which *averages* gradients): each rank's share times
+            ``dp_size`` gives the one-process gradient of a small model's weight;
+  fused_tp2 `linear_policy_loss` with the vocabulary sharded over TP=2 ({0,1}, {2,3}), with and without
+            sequence parallelism, against the one-process float64 loss on the materialized logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+import lmloss
+from lmloss.rl import policy_loss, token_weights
+
+WORLD = 4
+LENGTHS = [8, 4, 12, 8, 4, 8, 12, 8]  # rank 0 of a DP pair holds sequences 0-3 (32 tokens), rank 1 4-7
+PROMPTS = torch.tensor([0, 1, 0, 2, 1, 3, 2, 3])  # groups 0, 1, 2 span both DP halves
+HORIZON = 12
+TOL = dict(rtol=1e-12, atol=1e-13)
+AGG_MODES = lmloss.rl.LOSS_AGG_MODES
+CASES = [("vanilla", agg) for agg in AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("gspo", "token-mean")]
+METRIC_KEYS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ratio_mean", "ratio_max", "ratio_min", "entropy",
+               "pg_loss", "kl_loss", "entropy_loss", "policy_tokens")  # fmt: skip
+V, H = 10, 3  # the DDP model and the fused head
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    n = sum(LENGTHS)
+    d = dict(
+        lp=-torch.rand(n, generator=g, dtype=torch.float64) * 3,
+        adv=torch.randn(n, generator=g, dtype=torch.float64),
+        ent=torch.rand(n, generator=g, dtype=torch.float64),
+        mask=torch.rand(n, generator=g) > 0.25,
+        feats=torch.randn(n, H, generator=g, dtype=torch.float64),
+        labels=torch.randint(0, V, (n,), generator=g),
+        weight=torch.randn(V, H, generator=g, dtype=torch.float64),
+    )
+    d["old"] = d["lp"] + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["ref"] = d["lp"] + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["mask"][8:12] = False  # sequence 1 has no valid token
+    d["cu"] = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    return d
+
+
+def _options(mode, agg):
+    return dict(loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None, clip_ratio_high=0.28,
+                ref_logprobs=None, kl_loss_type="k3", kl_loss_coef=0.1, entropy_coeff=0.01)  # fmt: skip
+
+
+def _sequences(d, seqs):
+    """Positions, boundaries and prompt ids of sequences `seqs` (a contiguous range) of the batch."""
+    cu = d["cu"]
+    pos = torch.arange(int(cu[seqs[0]]), int(cu[seqs[-1] + 1]))
+    local_cu = cu[seqs[0] : seqs[-1] + 2] - cu[seqs[0]]
+    return pos, local_cu, PROMPTS[seqs[0] : seqs[-1] + 1]
+
+
+def _share(d, pos, w, mode, agg, *, cu=None, sequence_ids=None, cp_group=None, tracker=None):
+    """Loss share of the tokens at `pos` with weights `w`, and its gradients w.r.t. lp and entropy there."""
+    lp = d["lp"][pos].clone().requires_grad_(True)
+    ent = d["ent"][pos].clone().requires_grad_(True)
+    opts = _options(mode, agg)
+    opts["ref_logprobs"] = d["ref"][pos]
+    loss, _ = policy_loss(
+        lp, d["old"][pos], d["adv"][pos], d["mask"][pos], token_weights=w, cu_seqlens=cu, sequence_ids=sequence_ids,
+        cp_group=cp_group, entropy=ent, tracker=tracker, **opts,
+    )  # fmt: skip
+    g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
+    return loss.detach(), pos, g_lp, g_ent
+
+
+def _dp_microbatches(d, dp_rank, dp, world_group, mode, agg):
+    seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
+    pos, cu, prompts = _sequences(d, seqs)
+    extra = dict(prompt_ids=prompts) if agg == "prompt-mean-token-mean" else {}
+    w = token_weights(d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra)
+    tracker = lmloss.StatsTracker(group=world_group)
+    parts = []
+    for mb in (seqs[:2], seqs[2:]):
+        mb_pos, mb_cu, _ = _sequences(d, mb)
+        sl = slice(int(mb_pos[0] - pos[0]), int(mb_pos[-1] - pos[0]) + 1)
+        parts.append(_share(d, mb_pos, w[sl], mode, agg, cu=mb_cu, tracker=tracker))
+    return parts, tracker.export()
+
+
+def _dp_cp(d, dp_rank, cp_rank, dp, cp, world_group, mode, agg):
+    seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
+    pos, cu, prompts = _sequences(d, seqs)
+    extra = dict(prompt_ids=prompts) if agg == "prompt-mean-token-mean" else {}
+    w = token_weights(d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra)
+    local_pos = lmloss.cp.split(pos, cu, 2, cp_rank)
+    local_w = lmloss.cp.split(w, cu, 2, cp_rank)
+    seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
+    tracker = lmloss.StatsTracker(group=world_group)
+    part = _share(d, local_pos, local_w, mode, agg, cu=cu, sequence_ids=seq_ids, cp_group=cp, tracker=tracker)
+    return [part], tracker.export()
+
+
+def _ddp(d, dp_rank, dp):
+    """Each DP rank's share times dp_size through DDP (gradient averaging) = the one-process gradient."""
+    model = torch.nn.Linear(H, V, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(d["weight"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=dp)
+    seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
+    pos, cu, _ = _sequences(d, seqs)
+    w = token_weights(d["mask"][pos], "seq-mean-token-mean", cu_seqlens=cu, group=dp, dtype=torch.float64)
+    for i, mb in enumerate((seqs[:2], seqs[2:])):
+        mb_pos, mb_cu, _ = _sequences(d, mb)
+        sl = slice(int(mb_pos[0] - pos[0]), int(mb_pos[-1] - pos[0]) + 1)
+        lp = torch.log_softmax(ddp(d["feats"][mb_pos]), -1).gather(1, d["labels"][mb_pos, None])[:, 0]
+        loss, _ = policy_loss(lp, d["old"][mb_pos], d["adv"][mb_pos], d["mask"][mb_pos], token_weights=w[sl])
+        loss = loss * dist.get_world_size(dp)  # DDP averages over dp_size ranks: undo it
+        if i == 0:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    return model.weight.grad
+
+
+def _fused_tp(d, tp_rank, tp, sp):
+    """linear_policy_loss with the head's vocabulary (10 columns) split 5 + 5 over `tp`."""
+    n = 32
+    hidden = d["feats"][:n].clone()
+    labels = d["labels"][:n].clone()
+    labels[~d["mask"][:n]] = -100
+    h = (hidden[tp_rank * n // 2 : (tp_rank + 1) * n // 2] if sp else hidden).clone().requires_grad_(True)
+    w = d["weight"][tp_rank * 5 : tp_rank * 5 + 5].clone().requires_grad_(True)
+    out = {}
+    for mode in ("vanilla", "gspo"):
+        loss, _ = lmloss.rl.linear_policy_loss(
+            h, w, labels, d["old"][:n], d["adv"][:n], loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None,
+            ref_logprobs=d["ref"][:n], kl_loss_type="k3", kl_loss_coef=0.1, entropy_coeff=0.01, temperature=0.7,
+            cu_seqlens=d["cu"][:5], tp_group=tp, sequence_parallel=sp, chunk_size=8,
+        )  # fmt: skip
+        gh, gw = torch.autograd.grad(loss, [h, w])
+        out[mode] = (loss.detach(), gh, gw)
+    return out
+
+
+def worker(rank: int, world_size: int) -> dict:
+    world = dist.new_group(list(range(world_size)))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # dp2_mb2 DP groups; dp2_cp2 CP groups; TP groups
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # dp2_cp2 DP groups
+    pair = pairs[rank // 2]
+    d = _batch()
+    out = {"dp2_mb2": {}, "dp2_cp2": {}}
+    for mode, agg in CASES:
+        out["dp2_mb2"][mode, agg] = _dp_microbatches(d, rank % 2, pair, pair, mode, agg)
+        out["dp2_cp2"][mode, agg] = _dp_cp(d, rank // 2, rank % 2, strided[rank % 2], pair, world, mode, agg)
+    out["ddp"] = _ddp(d, rank % 2, pair)
+    out["fused_tp2"] = {sp: _fused_tp(d, rank % 2, pair, sp) for sp in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(worker, WORLD)
+
+
+def _one_process(d, mode, agg, *, tracker=None):
+    lp, ent = d["lp"].clone().requires_grad_(True), d["ent"].clone().requires_grad_(True)
+    opts = _options(mode, agg)
+    opts["ref_logprobs"] = d["ref"]
+    w = token_weights(d["mask"], agg, cu_seqlens=d["cu"], horizon=HORIZON, dtype=torch.float64,
+                      **({"prompt_ids": PROMPTS} if agg == "prompt-mean-token-mean" else {}))  # fmt: skip
+    loss, _ = policy_loss(lp, d["old"], d["adv"], d["mask"], token_weights=w, cu_seqlens=d["cu"], entropy=ent,
+                          tracker=tracker, **opts)  # fmt: skip
+    g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
+    return loss.detach(), g_lp, g_ent
+
+
+def _check_split(parts_by_rank, d, mode, agg):
+    total = torch.zeros((), dtype=torch.float64)
+    g_lp, g_ent = torch.zeros_like(d["lp"]), torch.zeros_like(d["ent"])
+    for parts in parts_by_rank:
+        for loss, pos, gl, ge in parts:
+            total += loss
+            g_lp[pos] += gl
+            g_ent[pos] += ge
+    want, want_lp, want_ent = _one_process(d, mode, agg)
+    torch.testing.assert_close(total, want, **TOL)
+    torch.testing.assert_close(g_lp, want_lp, **TOL)
+    torch.testing.assert_close(g_ent, want_ent, **TOL)
+
+
+@pytest.mark.parametrize("mode,agg", CASES)
+def test_dp2_times_two_microbatches_sum_to_the_one_process_loss_and_gradients(results, mode, agg):
+    d = _batch()
+    _check_split([results[r]["dp2_mb2"][mode, agg][0] for r in (0, 1)], d, mode, agg)
+
+
+@pytest.mark.parametrize("mode,agg", CASES)
+def test_dp2_times_cp2_zigzag_sum_to_the_one_process_loss_and_gradients(results, mode, agg):
+    d = _batch()
+    _check_split([results[r]["dp2_cp2"][mode, agg][0] for r in range(WORLD)], d, mode, agg)
+
+
+@pytest.mark.parametrize("config", ["dp2_mb2", "dp2_cp2"])
+def test_metrics_exported_from_any_split_equal_the_one_process_metrics(results, config):
+    d = _batch()
+    for mode, agg in CASES:
+        tracker = lmloss.StatsTracker()
+        _one_process(d, mode, agg, tracker=tracker)
+        want = tracker.export()
+        for r in range(WORLD if config == "dp2_cp2" else 2):
+            got = results[r][config][mode, agg][1]
+            for k in METRIC_KEYS:
+                assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-14), (config, mode, agg, k)
+
+
+def test_ddp_averaging_times_dp_size_gives_the_one_process_gradient(results):
+    d = _batch()
+    w = d["weight"].clone().requires_grad_(True)
+    lp = torch.log_softmax(d["feats"] @ w.T, -1).gather(1, d["labels"][:, None])[:, 0]
+    tw = token_weights(d["mask"], "seq-mean-token-mean", cu_seqlens=d["cu"], dtype=torch.float64)
+    loss, _ = policy_loss(lp, d["old"], d["adv"], d["mask"], token_weights=tw)
+    (want,) = torch.autograd.grad(loss, [w])
+    for r in range(WORLD):
+        torch.testing.assert_close(results[r]["ddp"], want, **TOL)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence_parallel"])
+@pytest.mark.parametrize("mode", ["vanilla", "gspo"])
+def test_fused_policy_loss_over_tp2_equals_the_float64_reference(results, sp, mode):
+    d = _batch()
+    n = 32
+    hidden = d["feats"][:n].clone().requires_grad_(True)
+    weight = d["weight"].clone().requires_grad_(True)
+    mask = d["mask"][:n]
+    logp = torch.log_softmax((hidden @ weight.T) / 0.7, -1)
+    lp = logp.gather(1, d["labels"][:n, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    want, _ = policy_loss(
+        lp, d["old"][:n], d["adv"][:n], mask, loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None,
+        ref_logprobs=d["ref"][:n], kl_loss_type="k3", kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.01,
+        cu_seqlens=d["cu"][:5],
+    )  # fmt: skip
+    want_h, want_w = torch.autograd.grad(want, [hidden, weight])
+    for r in range(WORLD):
+        loss, gh, gw = results[r]["fused_tp2"][sp][mode]
+        tp_rank = r % 2
+        torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+        rows = slice(tp_rank * n // 2, (tp_rank + 1) * n // 2) if sp else slice(None)
+        torch.testing.assert_close(gh, want_h[rows], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(gw, want_w[tp_rank * 5 : tp_rank * 5 + 5], rtol=1e-10, atol=1e-12)

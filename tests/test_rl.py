@@ -1,0 +1,346 @@
+"""lmloss.rl.policy_loss / token_weights / rollout weights on one process, against float64 references.
+
+The references below are verl 0.9's actor loss written out plainly (``compute_policy_loss_vanilla`` /
+``_gspo`` / ``_cispo`` / ``_reinforce``, ``agg_loss``, ``kl_penalty``; the actor's total ``pg - entropy_coeff
+* agg(entropy) + kl_loss_coef * agg(kl)``), on ``[B, T]`` rows, with autograd for the reference gradients.
+verl itself is not a test dependency (its import pulls ray and more), so these stand in for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lmloss
+from lmloss.rl import policy_loss, token_weights
+
+REL = dict(rtol=1e-7, atol=1e-12)
+B, T = 4, 7
+VERL_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+# ----------------------------------------------------------------------------------- verl, written out
+
+
+def ref_agg(loss_mat, mask, mode):
+    m = mask.double()
+    if mode == "token-mean":
+        return (loss_mat * m).sum() / m.sum()
+    if mode == "token-sum":
+        return (loss_mat * m).sum()
+    seq_len = m.sum(-1)
+    n_seqs = (seq_len > 0).double().sum()
+    if mode == "seq-mean-token-sum":
+        return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs
+    if mode == "seq-mean-token-mean":
+        return ((loss_mat * m).sum(-1) / (seq_len + 1e-8) * (seq_len > 0)).sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return (loss_mat * m).sum() / mask.shape[-1]
+    raise AssertionError(mode)
+
+
+def ref_pg(mode, lp, old, adv, mask, low=0.2, high=0.2, c=None):
+    if mode == "reinforce":
+        return -adv * lp
+    if mode == "gspo":
+        seq_len = mask.double().sum(-1).clamp(min=1)
+        seq_kl = ((lp - old) * mask).sum(-1) / seq_len
+        log_r = (lp - lp.detach() + seq_kl.detach()[:, None]).clamp(max=10.0)
+        r = torch.exp(log_r)
+        return torch.maximum(-adv * r, -adv * r.clamp(1 - low, 1 + high))
+    r = torch.exp((lp - old).clamp(-20, 20))
+    if mode == "cispo":
+        return -r.clamp(1 - low, 1 + high).detach() * adv * lp
+    l1, l2 = -adv * r, -adv * r.clamp(1 - low, 1 + high)
+    clipped = torch.maximum(l1, l2)
+    if c is None:
+        return clipped
+    return torch.where(adv < 0, torch.minimum(-adv * c, clipped), clipped)
+
+
+def ref_kl(lp, ref, kind):
+    base = kind.rstrip("+")
+    if base in ("k1", "kl"):
+        v = lp - ref
+    elif base == "abs":
+        v = (lp - ref).abs()
+    elif base in ("k2", "mse"):
+        v = 0.5 * (lp - ref) ** 2
+    else:
+        k = (ref - lp).clamp(-20, 20)
+        v = (torch.exp(k) - k - 1).clamp(-10, 10)
+    if kind.endswith("+") and base not in ("k2", "mse"):
+        b = 0.5 * (lp - ref) ** 2
+        v = b - b.detach() + v.detach()
+    return v
+
+
+def ref_actor_loss(mode, agg, lp, old, adv, mask, *, ref=None, kl_type="low_var_kl", kl_coef=0.0, ent=None,
+                   ent_coef=0.0, is_w=None, **clip):  # fmt: skip
+    pg = ref_pg(mode, lp, old, adv, mask, **clip)
+    if is_w is not None:
+        pg = pg * is_w
+    loss = ref_agg(pg, mask, "seq-mean-token-mean" if mode == "gspo" else agg)
+    if ent is not None:
+        loss = loss - ent_coef * ref_agg(ent, mask, agg)
+    if ref is not None:
+        loss = loss + kl_coef * ref_agg(ref_kl(lp, ref, kl_type), mask, agg)
+    return loss
+
+
+def _batch(seed=0, b=B, t=T):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3 - 0.1
+    old = lp + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    ref = lp + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ent = torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    old[:, 1::3] = lp[:, 1::3] - 1.5  # ratio e^1.5 > 3: the dual clip bites where the advantage is < 0
+    adv[:, 1] = -adv[:, 1].abs()
+    mask = torch.rand(b, t, generator=g) > 0.3
+    mask[:, 1] = True
+    mask[0, :] = False  # a fully masked sequence (excluded from the sequence count)
+    mask[1, :2] = True
+    return lp, old, adv, ref, ent, mask
+
+
+def _grads(loss, *xs):
+    return torch.autograd.grad(loss, xs, allow_unused=True)
+
+
+# ----------------------------------------------------------------------------------- parity with verl
+
+PG_CASES = [
+    ("vanilla", dict(clip_ratio=0.2)),
+    ("vanilla", dict(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0)),
+    ("cispo", dict(clip_ratio_low=0.2, clip_ratio_high=0.3)),
+    ("reinforce", {}),
+]
+
+
+def _clip_kw(kw):
+    low = kw.get("clip_ratio_low", kw.get("clip_ratio", 0.2))
+    return dict(low=low, high=kw.get("clip_ratio_high", kw.get("clip_ratio", 0.2)), c=kw.get("clip_ratio_c"))
+
+
+@pytest.mark.parametrize("agg", VERL_AGG_MODES)
+@pytest.mark.parametrize("mode,kw", PG_CASES, ids=["ppo", "ppo_asym_dualclip", "cispo", "reinforce"])
+def test_policy_loss_matches_verl_actor_loss_value_and_gradient(agg, mode, kw):
+    lp, old, adv, ref, ent, mask = _batch()
+    lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
+    opts = dict(ref_logprobs=ref, kl_loss_type="low_var_kl", kl_loss_coef=0.05, entropy=ent, entropy_coeff=0.01)
+    loss, _ = policy_loss(lp, old, adv, mask, loss_mode=mode, loss_agg_mode=agg, **kw, **opts)
+    expected = ref_actor_loss(mode, agg, lp, old, adv, mask, ref=ref, kl_type="low_var_kl", kl_coef=0.05, ent=ent,
+                              ent_coef=0.01, **_clip_kw(kw))  # fmt: skip
+    torch.testing.assert_close(loss, expected, **REL)
+    for got, want in zip(_grads(loss, lp, ent), _grads(expected, lp, ent)):
+        torch.testing.assert_close(got, want, **REL)
+
+
+@pytest.mark.parametrize("agg", VERL_AGG_MODES)
+def test_gspo_matches_verl_with_its_sequence_ratio_and_seq_mean_token_mean(agg):
+    # verl's gspo always aggregates its pg term by seq-mean-token-mean; the entropy / KL terms use `agg`.
+    lp, old, adv, ref, ent, mask = _batch(1)
+    lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
+    w_pg = token_weights(mask, "seq-mean-token-mean", dtype=torch.float64)
+    w = token_weights(mask, agg, dtype=torch.float64)
+    pg, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", token_weights=w_pg, clip_ratio=0.2)
+    rest, _ = policy_loss(lp, lp.detach(), torch.zeros_like(adv), mask, loss_mode="reinforce", token_weights=w,
+                          ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent, entropy_coeff=0.02)  # fmt: skip
+    loss = pg + rest
+    expected = ref_actor_loss("gspo", agg, lp, old, adv, mask, ref=ref, kl_type="k1", kl_coef=0.1, ent=ent,
+                              ent_coef=0.02)  # fmt: skip
+    torch.testing.assert_close(loss, expected, **REL)
+    for got, want in zip(_grads(loss, lp, ent), _grads(expected, lp, ent)):
+        torch.testing.assert_close(got, want, **REL)
+
+
+@pytest.mark.parametrize("kl_type", lmloss.rl.KL_LOSS_TYPES)
+def test_kl_loss_types_match_verl_kl_penalty_value_and_gradient(kl_type):
+    lp, old, adv, ref, _, mask = _batch(2)
+    ref = ref.clone()
+    ref[2, 3] = lp[2, 3] + 30.0  # beyond k3's clamps
+    lp = lp.requires_grad_(True)
+    loss, metrics = policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_loss_type=kl_type, kl_loss_coef=0.3)
+    expected = ref_actor_loss("vanilla", "token-mean", lp, old, adv, mask, ref=ref, kl_type=kl_type, kl_coef=0.3)
+    torch.testing.assert_close(loss, expected, **REL)
+    torch.testing.assert_close(_grads(loss, lp)[0], _grads(expected, lp)[0], **REL)
+    torch.testing.assert_close(metrics["kl_loss"], ref_agg(ref_kl(lp, ref, kl_type), mask, "token-mean").detach(), **REL)
+
+
+def test_rollout_is_weights_multiply_the_policy_gradient_term_only():
+    lp, old, adv, ref, _, mask = _batch(3)
+    lp = lp.requires_grad_(True)
+    is_w = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) * 2
+    loss, _ = policy_loss(lp, old, adv, mask, rollout_is_weights=is_w, ref_logprobs=ref, kl_loss_coef=0.2)
+    expected = ref_actor_loss("vanilla", "token-mean", lp, old, adv, mask, ref=ref, kl_coef=0.2, is_w=is_w)
+    torch.testing.assert_close(loss, expected, **REL)
+    torch.testing.assert_close(_grads(loss, lp)[0], _grads(expected, lp)[0], **REL)
+
+
+# ----------------------------------------------------------------------------------- packed tokens
+
+
+@pytest.mark.parametrize("agg", [*VERL_AGG_MODES, "token-sum"])
+@pytest.mark.parametrize("mode", ["vanilla", "gspo"])
+def test_packed_tokens_with_cu_seqlens_equal_the_padded_rows(agg, mode):
+    lp, old, adv, ref, ent, mask = _batch(4)
+    lengths = [5, 3, 7, 2]
+    rows = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    mask = mask & rows
+    lp = lp.requires_grad_(True)
+    kw = dict(loss_mode=mode, loss_agg_mode=agg, ref_logprobs=ref, kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1)
+    want, _ = policy_loss(lp, old, adv, mask, **kw)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+    def pack(t):
+        return t[rows]
+
+    kw_p = {**kw, "ref_logprobs": pack(ref), "entropy": pack(ent)}
+    got, _ = policy_loss(pack(lp), pack(old), pack(adv), pack(mask), cu_seqlens=cu, horizon=T, **kw_p)
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grads(got, lp)[0], _grads(want, lp)[0], **REL)
+
+
+# ----------------------------------------------------------------------------------- token_weights
+
+
+def test_token_weights_are_the_global_denominators_of_each_mode():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    w = {m: token_weights(mask, m, dtype=torch.float64) for m in lmloss.rl.LOSS_AGG_MODES[:5]}
+    m = mask.double()
+    torch.testing.assert_close(w["token-mean"], m / 6)
+    torch.testing.assert_close(w["token-sum"], m)
+    torch.testing.assert_close(w["seq-mean-token-sum"], m / 2)  # two sequences have a valid token
+    lens = torch.tensor([2.0, 0.0, 4.0], dtype=torch.float64)[:, None]
+    torch.testing.assert_close(w["seq-mean-token-mean"], m / ((lens + 1e-8) * 2))
+    torch.testing.assert_close(w["seq-mean-token-sum-norm"], m / 4)
+
+
+def test_prompt_mean_weights_give_each_prompt_group_equal_total_weight():
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 5, 9])  # sequences of 3, 2, 4 tokens
+    prompt = torch.tensor([0, 0, 1])  # sequences 0 and 1 answer prompt 0, sequence 2 prompt 1
+    w = token_weights(mask, "prompt-mean-token-mean", cu_seqlens=cu, prompt_ids=prompt, dtype=torch.float64)
+    expected = torch.tensor([1 / 4, 1 / 4, 1 / 4, 0, 1 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4], dtype=torch.float64) / 2
+    torch.testing.assert_close(w, expected)
+
+
+def test_token_weights_of_an_empty_batch_are_zero():
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        assert torch.equal(token_weights(mask, mode), torch.zeros(2, 3))
+
+
+# ----------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_are_masked_statistics_and_the_tracker_exports_the_same():
+    lp, old, adv, ref, ent, mask = _batch(5)
+    old[~mask] = float("nan")  # must not reach any statistic
+    tracker = lmloss.StatsTracker()
+    _, m = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0, entropy=ent, entropy_coeff=0.1, tracker=tracker)
+    r = torch.exp(lp - old)[mask]
+    a = adv[mask]
+    l1, l2 = -a * r, -a * r.clamp(0.8, 1.2)
+    clipped = torch.maximum(l1, l2)
+    expected = {
+        "pg_clipfrac": (l2 > l1).double().mean(),
+        "pg_clipfrac_lower": ((clipped > -a * 3.0) & (a < 0)).double().mean(),
+        "ppo_kl": (old - lp)[mask].mean(),
+        "ratio_mean": r.mean(),
+        "ratio_max": r.max(),
+        "ratio_min": r.min(),
+        "entropy": ent[mask].mean(),
+    }
+    exported = tracker.export()
+    for k, v in expected.items():
+        torch.testing.assert_close(m[k], v, **REL)
+        assert math.isclose(exported[k], v.item(), rel_tol=1e-9), k
+    assert exported["policy_tokens"] == mask.sum().item()
+
+
+# ----------------------------------------------------------------------------------- rollout correction
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_and_masked_is_weights(level):
+    lp, old, _, _, _, mask = _batch(6)
+    rollout = old + 0.5 * torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    log_r = torch.where(mask, old - rollout, 0.0)
+    if level == "sequence":
+        log_r = log_r.sum(-1, keepdim=True).expand(B, T)
+    ratio = torch.exp(log_r.clamp(-20, 20))
+    tis = lmloss.rl.truncated_is_weights(old, rollout, mask, cap=1.5, level=level)
+    torch.testing.assert_close(tis, torch.where(mask, ratio.clamp(max=1.5), 0.0), **REL)
+    mis = lmloss.rl.masked_is_weights(old, rollout, mask, lower=0.7, upper=1.4, level=level)
+    torch.testing.assert_close(mis, torch.where(mask & (ratio >= 0.7) & (ratio <= 1.4), ratio, 0.0), **REL)
+    packed = lmloss.rl.truncated_is_weights(old[mask], rollout[mask], mask[mask], cap=1.5, level=level,
+                                            cu_seqlens=torch.tensor([0, *mask.sum(-1).cumsum(0).tolist()]))  # fmt: skip
+    torch.testing.assert_close(packed, tis[mask], **REL)
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+def test_nan_and_inf_at_masked_positions_give_exactly_zero_gradient():
+    lp, old, adv, ref, ent, mask = _batch(7)
+    for t, v in ((lp, float("nan")), (old, float("inf")), (adv, float("-inf")), (ref, float("nan")), (ent, float("inf"))):
+        t[~mask] = v
+    lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
+    for mode in ("vanilla", "gspo", "cispo", "reinforce"):
+        loss, metrics = policy_loss(lp, old, adv, mask, loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None,
+                                    loss_agg_mode="seq-mean-token-mean", ref_logprobs=ref, kl_loss_type="k3+",
+                                    kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1)  # fmt: skip
+        assert torch.isfinite(loss)
+        g_lp, g_ent = _grads(loss, lp, ent)
+        assert torch.equal(g_lp[~mask], torch.zeros_like(g_lp[~mask])), mode
+        assert torch.equal(g_ent[~mask], torch.zeros_like(g_ent[~mask])), mode
+        assert torch.isfinite(g_lp).all() and all(torch.isfinite(v) for v in metrics.values() if v.dim() == 0)
+
+
+def _bad(**over):
+    lp, old, adv, ref, ent, mask = _batch(8)
+    kw = dict(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask)
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize(
+    "over,name",
+    [
+        (dict(loss_mode="ppo2"), "loss_mode"),
+        (dict(loss_agg_mode="mean"), "loss_agg_mode"),
+        (dict(kl_loss_type="k4", ref_logprobs=torch.zeros(B, T)), "kl_loss_type"),
+        (dict(advantages=torch.zeros(B, T + 1)), "advantages"),
+        (dict(old_logprobs=torch.zeros(B)), "old_logprobs"),
+        (dict(mask=torch.ones(B, T - 1, dtype=torch.bool)), "mask"),
+        (dict(token_weights=torch.ones(T)), "token_weights"),
+        (dict(kl_loss_coef=0.1), "ref_logprobs"),
+        (dict(entropy_coeff=0.1), "entropy"),
+        (dict(clip_ratio_c=0.5), "clip_ratio_c"),
+        (dict(clip_ratio_c=3.0, loss_mode="cispo"), "clip_ratio_c"),
+        (dict(clip_ratio_low=-0.1), "clip_ratio_low"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(over, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        policy_loss(**_bad(**over))
+
+
+def test_packed_input_errors_name_cu_seqlens_and_horizon():
+    lp, old, adv, _, _, mask = (t.reshape(-1) for t in _batch(9))
+    with pytest.raises(ValueError, match="cu_seqlens"):  # a seq-mean mode on 1-D tokens needs boundaries
+        policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    with pytest.raises(ValueError, match="cu_seqlens"):  # gspo too
+        policy_loss(lp, old, adv, mask, loss_mode="gspo")
+    with pytest.raises(ValueError, match="cu_seqlens covers 20 tokens but there are 28"):
+        policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-sum", cu_seqlens=torch.tensor([0, 10, 20]))
+    with pytest.raises(ValueError, match="cu_seqlens covers 20 tokens"):  # checked in every mode
+        policy_loss(lp, old, adv, mask, cu_seqlens=torch.tensor([0, 10, 20]))
+    with pytest.raises(ValueError, match="horizon"):
+        policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="prompt_ids"):
+        token_weights(mask, "prompt-mean-token-mean", cu_seqlens=torch.tensor([0, 28]))

@@ -1,0 +1,253 @@
+"""lmloss.rl.linear_policy_loss on one process, against float64 references on the materialized logits.
+
+The reference: ``logits = softcap(hidden @ weight.T + bias) / T`` over the first ``vocab_size`` columns,
+``log_softmax``, the label's log-prob and the entropy, then verl's actor loss written out in
+tests/test_rl.py (`ref_actor_loss`), with autograd for the hidden / weight / bias gradients.
+Tensor and sequence parallelism are in tests/distributed/test_rl_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lmloss
+from impl_params import IMPLS
+from lmloss.profiling import peak_memory
+from test_rl import ref_actor_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+F64_TOL = dict(rtol=1e-10, atol=1e-12)
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    loss_mode: str = "vanilla"
+    agg: str = "token-mean"
+    options: dict = dataclasses.field(default_factory=dict)
+    temperature: float = 1.0
+    softcap: float | None = None
+    bias: bool = False
+    vocab_size: int | None = None
+    is_weights: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PPO = dict(clip_ratio_c=3.0, kl_loss_type="k3", kl_loss_coef=0.1, entropy_coeff=0.05)
+CASES = [
+    Case("ppo_dualclip_k3_entropy_temperature", options=PPO, temperature=0.7),
+    Case("cispo_seqmean_bias_softcap", "cispo", "seq-mean-token-mean", dict(clip_ratio_high=0.3, entropy_coeff=0.02),
+         softcap=3.0, bias=True),  # fmt: skip
+    Case("reinforce_is_weights_k1plus_sumnorm", "reinforce", "seq-mean-token-sum-norm",
+         dict(kl_loss_type="k1+", kl_loss_coef=0.2), is_weights=True),  # fmt: skip
+    Case("ppo_abs_kl_padded_vocab_seqsum", agg="seq-mean-token-sum", options=dict(kl_loss_type="abs", kl_loss_coef=0.3),
+         vocab_size=33),  # fmt: skip
+    Case("gspo_two_pass_fallback", "gspo", "seq-mean-token-mean", dict(entropy_coeff=0.05, kl_loss_coef=0.1),
+         temperature=1.3),  # fmt: skip
+]
+B, T, H, V = 3, 6, 8, 40
+
+
+def _problem(case: Case, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (2.0 / H**0.5)
+    bias = torch.randn(V, generator=g, dtype=torch.float64) if case.bias else None
+    labels = torch.randint(0, case.vocab_size or V, (B, T), generator=g)
+    labels[0, ::3] = -100
+    labels[2, 4:] = -100
+    lp_guess = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 2.5
+    old = lp_guess
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = lp_guess + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    is_w = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5 if case.is_weights else None
+    cast = (lambda t: None if t is None else t.to(dtype).requires_grad_(True))  # noqa: E731
+    return dict(hidden=cast(hidden), weight=cast(weight), bias=cast(bias), labels=labels, old=old, adv=adv, ref=ref,
+                is_w=is_w)  # fmt: skip
+
+
+def _reference(case: Case, p):
+    h, w = p["hidden"].detach().double().requires_grad_(True), p["weight"].detach().double().requires_grad_(True)
+    b = None if p["bias"] is None else p["bias"].detach().double().requires_grad_(True)
+    z = h @ w.T + (0 if b is None else b)
+    if case.softcap:
+        z = case.softcap * torch.tanh(z / case.softcap)
+    logp = torch.log_softmax(z[..., : case.vocab_size or V] / case.temperature, -1)
+    mask = p["labels"] != -100
+    lp = logp.gather(-1, p["labels"].clamp(min=0)[..., None])[..., 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    o = case.options
+    loss = ref_actor_loss(
+        case.loss_mode, case.agg, lp, p["old"], p["adv"], mask, ref=p["ref"], kl_type=o.get("kl_loss_type", "low_var_kl"),
+        kl_coef=o.get("kl_loss_coef", 0.0), ent=ent, ent_coef=o.get("entropy_coeff", 0.0), is_w=p["is_w"],
+        low=0.2, high=o.get("clip_ratio_high", 0.2), c=o.get("clip_ratio_c"),
+    )  # fmt: skip
+    leaves = [t for t in (h, w, b) if t is not None]
+    return loss.detach(), torch.autograd.grad(loss, leaves)
+
+
+def _fused(case: Case, p, **kw):
+    loss, metrics = lmloss.rl.linear_policy_loss(
+        p["hidden"], p["weight"], p["labels"], p["old"], p["adv"], bias=p["bias"], loss_mode=case.loss_mode,
+        loss_agg_mode=case.agg, ref_logprobs=p["ref"], rollout_is_weights=p["is_w"], temperature=case.temperature,
+        softcap=case.softcap, vocab_size=case.vocab_size, **{"chunk_size": 4, **kw}, **case.options,
+    )  # fmt: skip
+    return loss, metrics
+
+
+def _grads(loss, p):
+    leaves = [p[k] for k in ("hidden", "weight", "bias") if p[k] is not None]
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fused_policy_loss_and_gradients_equal_the_float64_reference(case):
+    p = _problem(case)
+    loss, _ = _fused(case, p, impl="torch")
+    want, want_grads = _reference(case, p)
+    torch.testing.assert_close(loss, want, **F64_TOL)
+    for got, exp in zip(_grads(loss, p), want_grads):
+        torch.testing.assert_close(got, exp, **F64_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_both_implementations_match_the_reference_in_fp32(impl):
+    case = CASES[0]
+    p = _problem(case, dtype=torch.float32)
+    loss, _ = _fused(case, p, impl=impl)
+    want, want_grads = _reference(case, p)
+    torch.testing.assert_close(loss.double(), want, **FP32_TOL)
+    for got, exp in zip(_grads(loss, p), want_grads):
+        torch.testing.assert_close(got.double(), exp, **FP32_TOL)
+
+
+def test_bf16_weight_gradient_accumulates_in_fp32_and_comes_back_in_bf16():
+    case = CASES[0]
+    p = _problem(case, dtype=torch.bfloat16)
+    loss, _ = _fused(case, p, impl="torch")
+    gh, gw = _grads(loss, p)
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    # the reference from the bf16-rounded inputs (the logits rounded to bf16 as the bf16 matmul does)
+    want, (want_h, want_w) = _reference(case, p)
+    torch.testing.assert_close(loss.double(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gw.double(), want_w, rtol=5e-2, atol=2e-2)
+    torch.testing.assert_close(gh.double(), want_h, rtol=5e-2, atol=2e-2)
+
+
+def test_metrics_of_the_fused_loss_equal_those_of_policy_loss_on_reference_logprobs():
+    case = CASES[0]
+    p = _problem(case)
+    _, metrics = _fused(case, p)
+    logp = torch.log_softmax((p["hidden"].detach() @ p["weight"].detach().T) / case.temperature, -1)
+    lp = logp.gather(-1, p["labels"].clamp(min=0)[..., None])[..., 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    mask = p["labels"] != -100
+    r = torch.exp(lp - p["old"])[mask]
+    torch.testing.assert_close(metrics["ratio_mean"], r.mean(), **F64_TOL)
+    torch.testing.assert_close(metrics["ratio_max"], r.max(), **F64_TOL)
+    torch.testing.assert_close(metrics["entropy"], ent[mask].mean(), **F64_TOL)
+    torch.testing.assert_close(metrics["ppo_kl"], (p["old"] - lp)[mask].mean(), **F64_TOL)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    """Counts the [rows, H] x [H, V] class of GEMMs (forward and backward alike: the mode sees both)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,per_chunk", [("vanilla", 3), ("cispo", 3), ("reinforce", 3), ("gspo", 4)])
+def test_token_separable_objectives_run_three_matmuls_per_chunk_and_gspo_four(mode, per_chunk):
+    case = Case(mode, mode, options=dict(entropy_coeff=0.1, kl_loss_coef=0.1))
+    p = _problem(case)
+    with _CountMatmuls() as counter:
+        loss, _ = _fused(case, p, chunk_size=6)  # 18 tokens: 3 chunks
+        _grads(loss, p)
+    assert counter.count == per_chunk * 3
+
+
+def test_peak_memory_is_that_of_linear_cross_entropy_plus_per_token_vectors():
+    n, h, v = 512, 32, 2000
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    old, adv, ref = -torch.rand(n, generator=g) - 7, torch.randn(n, generator=g), -torch.rand(n, generator=g) - 7
+
+    def peak(fn):
+        hidden.grad = weight.grad = None
+        with peak_memory() as mem:
+            fn().backward()
+        return mem.peak_bytes
+
+    chunk = 64
+    ce = peak(lambda: lmloss.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk))
+    no_entropy = {**PPO, "entropy_coeff": 0.0}
+    rl = peak(lambda: lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, ref_logprobs=ref,
+                                                   chunk_size=chunk, **no_entropy)[0])  # fmt: skip
+    assert rl <= ce + 128 * n  # O(N) vectors: inputs masked, log-probs, weights, coefficients, metrics
+    # an entropy bonus: the PyTorch kernels keep exp(y - m) beside the chunk for the entropy partial sum and
+    # then p for its gradient, in one chunk-sized buffer (the Triton kernels hold no chunk-sized scratch);
+    # no more than the two-pass path, which holds the same in its backward
+    rl_h = peak(lambda: lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, ref_logprobs=ref,
+                                                     chunk_size=chunk, **PPO)[0])  # fmt: skip
+
+    def two_pass():
+        lp, ent = lmloss.linear_token_logprobs(hidden, weight, labels, chunk_size=chunk, return_entropy=True)
+        return lmloss.rl.policy_loss(lp, old, adv, labels != -100, ref_logprobs=ref, entropy=ent, **PPO)[0]
+
+    assert rl_h <= ce + chunk * v * 4 + 128 * n
+    assert rl_h <= peak(two_pass) + 32 * n
+
+
+def test_nan_at_ignored_positions_gives_finite_gradients_and_zero_hidden_rows():
+    case = CASES[0]
+    p = _problem(case)
+    ignored = p["labels"] == -100
+    clean, _ = _fused(case, p)
+    clean_grads = _grads(clean, p)
+    for k in ("old", "adv", "ref"):
+        p[k] = p[k].clone()
+        p[k][ignored] = float("nan")
+    loss, _ = _fused(case, p)
+    grads = _grads(loss, p)
+    torch.testing.assert_close(loss, clean, **F64_TOL)
+    for got, exp in zip(grads, clean_grads):
+        torch.testing.assert_close(got, exp, **F64_TOL)
+    assert torch.equal(grads[0][ignored], torch.zeros_like(grads[0][ignored]))
+
+
+def test_without_grad_the_loss_is_the_same_and_a_second_backward_raises():
+    case = CASES[0]
+    p = _problem(case)
+    with torch.no_grad():
+        plain, _ = _fused(case, p)
+    loss, _ = _fused(case, p)
+    torch.testing.assert_close(plain, loss.detach(), **F64_TOL)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
+
+
+def test_fused_bad_arguments_name_them():
+    case = CASES[0]
+    p = _problem(case)
+    with pytest.raises(ValueError, match="advantages"):
+        lmloss.rl.linear_policy_loss(p["hidden"], p["weight"], p["labels"], p["old"], p["adv"][:, :2])
+    with pytest.raises(ValueError, match="loss_mode"):
+        lmloss.rl.linear_policy_loss(p["hidden"], p["weight"], p["labels"], p["old"], p["adv"], loss_mode="grpo")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        lmloss.rl.linear_policy_loss(p["hidden"], p["weight"], p["labels"], p["old"], p["adv"], kl_loss_coef=0.1)
