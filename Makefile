@@ -33,7 +33,7 @@ test: venv
 	LMLOSS_FULL_MEMORY_TEST=1 $(PY) -m pytest -q tests
 
 demo: venv
-	$(VENV)/bin/lmloss sft --nproc 2 --cp 2 --head-memory-vocab 151936 --out runs/demo
+	$(VENV)/bin/lmloss sft --nproc 2 --cp 2 --head-memory-vocab 151936 --out runs/demo --overwrite
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

@@ -17,11 +17,13 @@ from lmloss.logits import cross_entropy, token_entropy, token_logprobs
 from lmloss.metrics import StatsTracker
 from lmloss.modules import CrossEntropyLoss, LinearCrossEntropyLoss
 from lmloss.packing import PackedBatch, pack, shift_labels
+from lmloss.vocab_parallel import RankAgreementError
 
 __all__ = [
     "CrossEntropyLoss",
     "LinearCrossEntropyLoss",
     "PackedBatch",
+    "RankAgreementError",
     "StatsTracker",
     "broadcast_batch",
     "cp",

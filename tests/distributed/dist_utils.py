@@ -7,6 +7,7 @@ one spawned run: create sub-groups with `dist.new_group` inside the function (ev
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,15 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # The rank's result is on disk and its group destroyed: leave without interpreter finalization. A
+    # collective issued under a Python TorchDispatchMode (lmloss.profiling's live-tensor tracker, as in
+    # test_profiler_ranks) makes PyTorch take references to the process group that are never released, so
+    # destroy_process_group cannot free it and gloo's worker threads outlive it; tearing the interpreter down
+    # beside those threads ended the process with SIGABRT ("terminate called without an active exception")
+    # now and then. A failing rank still exits through torch's spawn wrapper, which reports its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -219,12 +219,23 @@ START_METHOD = "spawn"
 INTERRUPTED = 130
 
 
-def _leave_quietly(*_) -> None:
-    """SIGINT in a spawned rank: flush what it printed (its last step lines) and exit, no traceback."""
+def _leave(status: int) -> None:
+    """End a spawned rank now: flush what it printed, then exit without interpreter finalization.
+
+    Finalization is skipped because it can abort the process: a collective issued under a Python
+    TorchDispatchMode (the CPU memory profiler's live-tensor tracker, `memory_profile`) makes PyTorch keep
+    references to the process group, so destroy_process_group cannot free it and gloo's worker threads
+    outlive it; tearing the interpreter down beside them ended a rank with SIGABRT now and then.
+    """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, RuntimeError, ValueError):  # interrupted mid-write: lost
             stream.flush()
-    os._exit(INTERRUPTED)
+    os._exit(status)
+
+
+def _leave_quietly(*_) -> None:
+    """SIGINT in a spawned rank: flush what it printed (its last step lines) and exit, no traceback."""
+    _leave(INTERRUPTED)
 
 
 def _spawned_worker(
@@ -241,6 +252,7 @@ def _spawned_worker(
     except (ValueError, FileNotFoundError) as err:  # the user's to fix: one line in the parent, no traceback
         errors.put((local_rank, str(err)))
         sys.exit(2)
+    _leave(0)  # done, group destroyed (see `_leave` for why not a normal exit)
 
 
 def run_distributed(fn: Callable, device_name: str, *args):
