@@ -110,12 +110,14 @@ def test_ctrl_c_prints_one_line_with_the_resume_hint_and_resuming_finishes(tmp_p
 @pytest.fixture
 def forked_ranks(monkeypatch):
     """Start the ranks by fork: they inherit this process's imports (spawn would import torch and transformers
-    again in each, many seconds on a small machine). Where CUDA is available, keep spawn (fork is unsafe)."""
+    again in each, many seconds on a small machine). Where CUDA is available, keep spawn (fork is unsafe), and
+    where this process already holds a default process group (an earlier test's, e.g. the bench's Megatron
+    peer), too: a forked rank would inherit it and could not initialise its own."""
     import torch
 
     from lmloss.sft import parallel
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not torch.distributed.is_initialized():
         monkeypatch.setattr(parallel, "START_METHOD", "fork")
         from transformers import LlamaForCausalLM  # noqa: F401  (imported once here, not in every rank)
 
