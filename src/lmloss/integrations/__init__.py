@@ -9,6 +9,6 @@ Neither `transformers` nor `megatron-core` is imported until a function that nee
 ``import lmloss.integrations.hf`` works without them. Only the public ops are used here.
 """
 
-from lmloss.integrations import hf, megatron
+from lmloss.integrations import hf, megatron, trl
 
-__all__ = ["hf", "megatron"]
+__all__ = ["hf", "megatron", "trl"]
