@@ -58,7 +58,7 @@ def reward(completions, **kwargs):
 
 def train(model: str, loss_type: str, *, patched: bool, tmp_path):
     """Two GRPO steps of the model saved at `model` (TRL loads the policy and, for the KL, the reference
-    from there); returns (logged losses, per-step gradients, peak bytes of the second training_step)."""
+    from there); returns (logged losses and entropies, per-step gradients, peak bytes of the second training_step)."""
     prompts = [" ".join(f"t{(7 * i + j) % (VOCAB - 8) + 8}" for j in range(2 + i % 3)) for i in range(2)]
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / f"{loss_type}-{patched}"), per_device_train_batch_size=4, num_generations=4,
@@ -97,8 +97,9 @@ def train(model: str, loss_type: str, *, patched: bool, tmp_path):
             trainer._get_per_token_logps_and_entropies.__func__
             is type(trainer)._get_per_token_logps_and_entropies
         )
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, grads, peaks[-1]  # step 1 also generates; step 2 is the loss step alone
+    # the loss, and the entropy TRL logs (the mean over completion tokens of the method's entropies)
+    logged = [(h["loss"], h["entropy"]) for h in trainer.state.log_history if "loss" in h]
+    return logged, grads, peaks[-1]  # step 1 also generates; step 2 is the loss step alone
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
