@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = {"bench", "hf", "sft", "peers", "peers-gpu", "dev"}
+EXTRAS = {"bench", "hf", "trl", "sft", "peers", "peers-gpu", "dev"}
 
 
 def main(path: str) -> int:

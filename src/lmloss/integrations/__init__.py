@@ -4,11 +4,13 @@
   fused LM head (no logits), and `token_logprobs(model, ...)` scores tokens for RL without logits.
 * `lmloss.integrations.megatron`: a drop-in for Megatron-core's ``vocab_parallel_cross_entropy``, a fused
   loss for the last pipeline stage, and ``PackedSeqParams`` from an `lmloss.packing.PackedBatch`.
+* `lmloss.integrations.trl`: `patch(trainer)` makes a ``trl.GRPOTrainer`` compute its per-token log-probs
+  and entropies with the fused head (through `hf.token_logprobs`).
 
-Neither `transformers` nor `megatron-core` is imported until a function that needs it is called, so
+None of `transformers`, `trl` or `megatron-core` is imported until a function that needs it is called, so
 ``import lmloss.integrations.hf`` works without them. Only the public ops are used here.
 """
 
-from lmloss.integrations import hf, megatron
+from lmloss.integrations import hf, megatron, trl
 
-__all__ = ["hf", "megatron"]
+__all__ = ["hf", "megatron", "trl"]

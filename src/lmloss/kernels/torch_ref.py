@@ -9,6 +9,7 @@ float64 (``gradcheck`` holds); every other dtype in fp32.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -190,12 +191,17 @@ class TorchKernels:
         else:
             shifted = y.sub_(m[:, None])
         if entropy:
-            # logits of -inf (a sampler's mask) would make exp * shifted = 0 * -inf = NaN; a finite floor
-            # gives the same exp (0) and a 0 contribution
-            shifted.clamp_(min=_FP32_MIN)
             exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
             out[:, 1] = exps.sum(dim=-1)
-            out[:, 2] = exps.mul_(shifted).sum(dim=-1)
+            # the product goes into `shifted` (writable here: scratch, or the caller's chunk), leaving the
+            # exps intact: `partials_then_grad_` builds the gradient from both without another exp
+            e_shifted = shifted.mul_(exps)
+            out[:, 2] = e_shifted.sum(dim=-1)
+            # a logit of -inf (a sampler's mask) makes exp * shifted = 0 * -inf = NaN, where its term is 0:
+            # only a chunk that has one pays the pass that zeroes them (a NaN logit stays NaN: exps is NaN)
+            if torch.compiler.is_compiling() or bool(out[:, 2].isnan().any()):
+                e_shifted.masked_fill_(exps == 0, 0.0)
+                out[:, 2] = e_shifted.sum(dim=-1)
         else:
             out[:, 1] = shifted.exp_().sum(dim=-1)
         return out
@@ -250,8 +256,12 @@ class TorchKernels:
 
         When `out` is an fp32 `x` with no softcap (the fused path's own chunk, or fp32 logits in the
         in-place mode), the exps of the forward are turned into the gradient without recomputing them:
-        ``p = exps * exp(m - lse)`` (with the entropy flag the chunk holds ``y - m`` instead, and ``p`` is one
-        exp of ``log p`` into the partials' own scratch: no third chunk-sized buffer).
+        ``p = exps * exp(m - lse)``. With the entropy flag the partials leave ``e = exp(y - m)`` in their
+        "exps" scratch and ``e * (y - m)`` (0 at -inf logits) in the chunk (no third chunk-sized buffer),
+        and the gradient
+        ``p (d (log p + H) + a)``, with ``log p = (y - m) - (lse - m)``, is two passes over them:
+        ``r d * [e (y - m)] + r (d (H - (lse - m)) + a) * e`` with ``r = exp(m - lse)``; the temperature's
+        ``1 / T`` is folded into those per-row factors instead of a pass of its own.
         """
         reuse = out is x and x.dtype == torch.float32 and not math.softcap
         with serial_row_reductions(x.shape[0], x.device):
@@ -267,16 +277,18 @@ class TorchKernels:
                 x, labels, lse, entropy, coef, math, out, uniform_term=uniform_term, keep_min=keep_min
             )
         work = x[:, : math.valid]
+        r = torch.exp(partials[:, 0] - lse)  # p = exp(y - m) * r
         if not flags.get("entropy"):  # the partials left exp(y - m) in the chunk
-            work.mul_((coef[:, 0] * torch.exp(partials[:, 0] - lse))[:, None])
-        else:  # they left y - m (floored, as in softmax_grad_): log p = (y - m) - (lse - m), p from it
-            log_p = work.sub_((lse - partials[:, 0])[:, None])
-            p = torch.exp(log_p, out=self.scratch.get("exps", *log_p.shape, log_p.dtype))
+            work.mul_((coef[:, 0] * r)[:, None])
+        else:  # they left e * (y - m) in the chunk and e = exp(y - m) in "exps" (both 0 at -inf logits)
+            exps = self.scratch.get("exps", *work.shape, work.dtype)
+            a = coef[:, 0] * r * math.scale  # dy/dx = 1 / T, applied here rather than in _finish_grad_
             if entropy is None:
-                torch.mul(p, coef[:, 0:1], out=work)
-            else:  # p * (d * (log p + H) + a), with the per-row terms folded first: three passes
-                d = coef[:, 3:4]
-                log_p.mul_(d).add_(d * entropy[:, None] + coef[:, 0:1]).mul_(p)
+                torch.mul(exps, a[:, None], out=work)
+            else:
+                d = coef[:, 3] * r * math.scale
+                work.mul_(d[:, None]).addcmul_(exps, (a + d * (entropy - (lse - partials[:, 0])))[:, None])
+            coef, math = coef * math.scale, dataclasses.replace(math, scale=1.0)  # the other terms, scaled
         self._finish_grad_(work, None, labels, coef, math, uniform_term)
         out[:, math.valid :].zero_()
         return result, out

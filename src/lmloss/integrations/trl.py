@@ -1,0 +1,130 @@
+"""TRL: ``trl.GRPOTrainer``'s per-token log-probs and entropies from lmloss's fused head.
+
+``lmloss.integrations.trl.patch(trainer)`` (one line, after building the trainer) replaces one method of
+that trainer instance, ``_get_per_token_logps_and_entropies``: the one every log-prob of GRPO goes through
+(the policy's in the loss step, the old policy's and the reference model's when scoring a generation
+batch). The replacement runs the decoder body and `lmloss.linear_token_logprobs` on its last hidden states
+and the head's weight, through `lmloss.integrations.hf.token_logprobs`: no ``[B, T, V]`` logits, the
+vocabulary walked in chunks, the backward's logits-gradient fused in the same loop. The rest of the
+trainer is untouched: every ``loss_type`` (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``, ...), its
+clipping, KL, entropy bonus and its ``num_items_in_batch`` / gradient-accumulation normalisation run as
+written in TRL, on the tensors this method returns (the same values as TRL's own, zero where a position is
+not scored).
+
+What the replacement does not cover, it hands to TRL's own method, unchanged: multimodal inputs (pixel
+values, image grids, ...) and MoE models whose load-balancing loss is requested (``compute_aux_loss``).
+Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise its ``ValueError`` at
+`patch` time. A model wrapped by another module at call time (multi-process DDP) raises a ``ValueError``:
+only unwrapped models (one process, or FSDP2, which does not wrap) are supported.
+
+``trl`` is not imported by this module; it works on the trainer instance it is given (tested with
+``trl==1.16.0``, the version the ``lmloss[trl]`` extra pins).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from lmloss.integrations import hf
+
+__all__ = ["is_patched", "patch", "unpatch"]
+
+_METHOD = "_get_per_token_logps_and_entropies"
+_STATE_ATTR = "_lmloss_trl_patch"
+
+
+def _fused_per_token_logps_and_entropies(
+    self,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None = None,
+    compute_entropy: bool = False,
+    compute_aux_loss: bool = False,
+    **extra: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """TRL's method's contract, fused: ``(logps, entropies or None, None)``, each fp32 ``[B, logits_to_keep]``:
+    the log-prob of each of the last `logits_to_keep` tokens (the completion) under the model's
+    next-token distribution at ``self.temperature``, and that distribution's entropy; 0.0 where
+    ``attention_mask`` is 0. `batch_size` rows are scored per forward (TRL's memory knob)."""
+    state = getattr(self, _STATE_ATTR)
+    if compute_aux_loss or any(v is not None for v in extra.values()):
+        # multimodal inputs or a MoE aux loss: TRL's own method, as if unpatched
+        return state["original"](
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra,
+        )  # fmt: skip
+    inner = self.accelerator.unwrap_model(model)
+    if inner is not model:
+        raise ValueError(
+            f"lmloss.integrations.trl: the model is wrapped by {type(model).__name__} (multi-process DDP?); "
+            "only unwrapped models (one process, FSDP2) are supported"
+        )
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start : start + batch_size]
+        mask = attention_mask[start : start + batch_size]
+        # score only the completion's tokens that are not padding, as TRL does
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        with self.accelerator.autocast():
+            out = hf.token_logprobs(
+                model, ids, labels, attention_mask=mask, temperature=self.temperature,
+                return_entropy=compute_entropy, chunk_size=state["chunk_size"],
+            )  # fmt: skip
+        logps, entropy = out if compute_entropy else (out, None)
+        all_logps.append(logps[:, -logits_to_keep:])
+        if compute_entropy:
+            # token_logprobs gives the entropy at every position; TRL's is 0.0 where the label is not scored
+            scored = labels[:, -logits_to_keep:] != -100
+            all_entropies.append(entropy[:, -logits_to_keep:].masked_fill(~scored, 0.0))
+    entropies = torch.cat(all_entropies) if compute_entropy else None
+    return torch.cat(all_logps), entropies, None
+
+
+def patch(trainer: Any, *, chunk_size: int | str | None = "auto") -> Any:
+    """Make `trainer` (a ``trl.GRPOTrainer``) compute its per-token log-probs and entropies with lmloss's fused
+    head. Returns the trainer.
+
+    Args:
+        trainer: a built ``trl.GRPOTrainer`` (or subclass) whose model is a ``transformers`` ``*ForCausalLM``.
+        chunk_size: tokens per chunk of the fused op (`lmloss.linear_token_logprobs`'s argument).
+
+    Raises:
+        TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
+        ValueError: the trainer is already patched; its model's head cannot be reproduced (see
+            `lmloss.integrations.hf.head_transform`); ``args.cast_lm_head_to_fp32`` is set (the fused op
+            computes in the head weight's dtype, so it would not be honoured).
+    """
+    original = getattr(trainer, _METHOD, None)
+    if original is None:
+        raise TypeError(f"trainer: {type(trainer).__name__} has no {_METHOD} (expected a trl.GRPOTrainer)")
+    if is_patched(trainer):
+        raise ValueError("trainer: already patched by lmloss.integrations.trl")
+    if getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False):
+        raise ValueError("trainer: args.cast_lm_head_to_fp32=True is not supported by the fused head")
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            hf.head_transform(trainer.accelerator.unwrap_model(model))
+    setattr(trainer, _STATE_ATTR, {"original": original, "chunk_size": chunk_size})
+    setattr(trainer, _METHOD, types.MethodType(_fused_per_token_logps_and_entropies, trainer))
+    return trainer
+
+
+def unpatch(trainer: Any) -> Any:
+    """Undo `patch`: the trainer's own method again. Returns the trainer."""
+    if not is_patched(trainer):
+        raise ValueError("trainer: not patched by lmloss.integrations.trl")
+    delattr(trainer, _METHOD)  # the instance attribute; the class's method shows through again
+    delattr(trainer, _STATE_ATTR)
+    return trainer
+
+
+def is_patched(trainer: Any) -> bool:
+    """Whether `patch` has been applied to this trainer instance."""
+    return _STATE_ATTR in getattr(trainer, "__dict__", {})

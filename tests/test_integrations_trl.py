@@ -1,0 +1,126 @@
+"""`lmloss.integrations.trl`: a patched ``trl.GRPOTrainer`` against the same trainer unpatched (the reference).
+
+A tiny random Llama built from a config and a word-level tokenizer made here (no downloads); a reward in
+Python. Each run trains two optimizer steps on one generation batch (``num_iterations=2``: the second step
+has a ratio away from 1, so the clipping and the old policy's log-probs are exercised), with SGD so that
+float rounding stays rounding (Adam's first step turns a 1e-9 gradient into a full learning-rate step).
+The reference is TRL's own log-prob path (its ``add_fused_lm_head`` head), and every loss type's
+normalisation is TRL's code in both runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from lmloss.integrations import trl as lmloss_trl  # noqa: E402
+from lmloss.profiling import peak_memory  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 4096  # large next to the 24 completion tokens per step, so the head's [tokens, vocab] buffers show
+PAD, EOS, BOS = 1, 2, 3
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=f"t{PAD}", eos_token=f"t{EOS}", unk_token="t0"
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    # a large EOS row: some completions end early, so the loss types' denominators differ
+    with torch.no_grad():
+        model.lm_head.weight[EOS].normal_(0, 1.0)
+    return model
+
+
+def reward(completions, **kwargs):
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def train(model: str, loss_type: str, *, patched: bool, tmp_path):
+    """Two GRPO steps of the model saved at `model` (TRL loads the policy and, for the KL, the reference
+    from there); returns (logged losses and entropies, per-step gradients, peak bytes of the second training_step)."""
+    prompts = [" ".join(f"t{(7 * i + j) % (VOCAB - 8) + 8}" for j in range(2 + i % 3)) for i in range(2)]
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / f"{loss_type}-{patched}"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=2, num_iterations=2, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", report_to="none", use_cpu=True, logging_steps=1, save_strategy="no",
+        loss_type=loss_type, beta=0.04, seed=0, disable_tqdm=True, bf16=False,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+    )  # fmt: skip
+    if patched:
+        assert lmloss_trl.patch(trainer) is trainer and lmloss_trl.is_patched(trainer)
+        with pytest.raises(ValueError, match="already patched"):
+            lmloss_trl.patch(trainer)
+    grads, peaks = [], []
+
+    class Grads(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer.add_callback(Grads())
+    step = trainer.training_step
+
+    def measured(*a, **k):
+        with peak_memory() as mem:
+            out = step(*a, **k)
+        peaks.append(mem.peak_bytes)
+        return out
+
+    trainer.training_step = measured
+    trainer.train()
+    if patched:  # unpatch: TRL's own method again
+        lmloss_trl.unpatch(trainer)
+        assert (
+            trainer._get_per_token_logps_and_entropies.__func__
+            is type(trainer)._get_per_token_logps_and_entropies
+        )
+    # the loss, and the entropy TRL logs (the mean over completion tokens of the method's entropies)
+    logged = [(h["loss"], h["entropy"]) for h in trainer.state.log_history if "loss" in h]
+    return logged, grads, peaks[-1]  # step 1 also generates; step 2 is the loss step alone
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_patched_grpo_trainer_matches_trl_losses_and_gradients_with_lower_peak(loss_type, tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "model")
+    ref_losses, ref_grads, ref_peak = train(
+        str(tmp_path / "model"), loss_type, patched=False, tmp_path=tmp_path
+    )
+    losses, grads, peak = train(str(tmp_path / "model"), loss_type, patched=True, tmp_path=tmp_path)
+    assert len(ref_grads) == len(grads) == 2 and len(losses) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads[1].values())  # the step trained something
+    assert peak < ref_peak, (peak, ref_peak)
+
+
+def test_patch_refuses_what_is_not_a_grpo_trainer():
+    with pytest.raises(TypeError, match="trainer"):
+        lmloss_trl.patch(object())
+    with pytest.raises(ValueError, match="not patched"):
+        lmloss_trl.unpatch(object())
