@@ -3,8 +3,8 @@
 The engine's kept ids per token, ``[N, K]`` padded with -1, select ``K`` *slots* per token. Each TP rank
 fills the slots whose ids fall in its vocabulary shard and leaves the others at `ABSENT`; the op then runs
 unchanged over the ``[N, K]`` slot logits, vocab-parallel over ``K`` slots per rank (the slots of rank r
-are global slots ``[r K, (r + 1) K)``). From logits the slots are a ``gather`` (its backward scatters
-into the logits' gradient); fused, `_SupportLinear` multiplies each chunk's hidden rows by the weight
+are global slots ``[r K, (r + 1) K)``). From logits the slots are a gather (`_GatherSlots`: its backward
+scatters the slots' gradient, chunk by chunk, into the one ``[N, V]`` gradient buffer); fused, `_SupportLinear` multiplies each chunk's hidden rows by the weight
 rows its ids name, and nothing ``[N, V]`` exists.
 """
 
@@ -54,12 +54,39 @@ def _finish(outs, slots: SupportSlots, labels: torch.Tensor, ignore_index: int, 
     return (lp, outs[1]) if return_entropy else lp
 
 
+class _GatherSlots(torch.autograd.Function):
+    """``logits [N, V_local]``, ``local [N, K]`` int64 -> ``logits.gather(1, local)`` ``[N, K]``.
+
+    `torch.gather`'s own backward builds the gradient out of place (``zeros(N, V).scatter_add(...)``), two
+    ``[N, V]`` tensors at once; this one allocates the logits' gradient once and scatters each chunk's
+    ``[c, K]`` slot gradient into that chunk's rows in place. Slots this rank does not own (clamped
+    columns) carry a zero gradient (`_fill` selects `ABSENT` there), and scatter_add adds it harmlessly.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, local, chunk: int):
+        ctx.save_for_backward(local)
+        ctx.shape, ctx.dtype, ctx.chunk = logits.shape, logits.dtype, chunk
+        return logits.gather(1, local)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (local,) = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+        n = ctx.shape[0]
+        for s in range(0, n, ctx.chunk):
+            e = min(s + ctx.chunk, n)
+            out[s:e].scatter_add_(1, local[s:e], grad[s:e].to(ctx.dtype))
+        return out, None, None
+
+
 def replay_over_logits(
     logits, labels, support, *, top, chunk_size, temperature, softcap, ignore_index, vocab_size, tp_group,
     vocab_start, return_entropy, impl,
 ):  # fmt: skip
     """`lmloss.token_logprobs` with ``support=``: see the module docstring."""
-    from lmloss.logits import token_logprobs
+    from lmloss.logits import DEFAULT_CHUNK_SIZE, token_logprobs
 
     if any(v is not None for v in top[:3]) or top[3]:
         raise ValueError(
@@ -72,7 +99,10 @@ def replay_over_logits(
         support, labels, local_vocab=v_local, vocab_size=vocab_size, vocab_start=vocab_start, tp_group=tp_group,
         ignore_index=ignore_index,
     )  # fmt: skip
-    g = logits.reshape(-1, v_local).gather(1, slots.local)
+    _validate.check_chunk_size(chunk_size)
+    # the scatter's chunking only bounds its [c, K] temporaries: any row count does
+    step = chunk_size if isinstance(chunk_size, int) else DEFAULT_CHUNK_SIZE
+    g = _GatherSlots.apply(logits.reshape(-1, v_local), slots.local, step)
     g = _fill(g, slots, softcap)
     outs = token_logprobs(
         g, slots.labels, chunk_size=chunk_size, temperature=temperature, ignore_index=ignore_index,
