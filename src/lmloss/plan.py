@@ -289,16 +289,17 @@ def forward_pass(
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
-        keep_min = None
+        keep_min = kept = None
         if plan.sampling is not None:  # the kept set's per-row threshold (collectives over tp_group)
-            keep_min, full_lse = keep_thresholds(
+            kept = keep_thresholds(
                 kernels.scaled(x, plan.math), plan.sampling.rows(s, e), min(plan.sampling.k_max, plan.shard.vocab_size),
                 group=plan.tp_group, scratch=kernels.scratch, want_full_lse=plan.sampling.log_kept_mass,
             )  # fmt: skip
+            keep_min, full_lse = kept.keep_min, kept.full_lse
         if grad_sink is None:
             partials = kernels.softmax_partials(
                 x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite,
-                **({} if keep_min is None else {"keep_min": keep_min}),
+                **({} if kept is None else {"keep_min": keep_min, "kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}),
             )  # fmt: skip
             stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
             if keep_min is not None:
