@@ -124,7 +124,7 @@ class TorchKernels:
             return x[:, : math.valid]  # y is x itself (read-only): no copy
         return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
-    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps=None):
+    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps):
         """The partials over the kept columns ``y >= keep_min``. The exps are those of every column (an exp
         of -inf takes CPUs' slow path), multiplied by the kept mask, a 0 / 1 float tensor (a bool mask in
         a multiply, ``masked_fill`` or ``where`` costs several passes on CPU). With `kept_exps`
@@ -273,7 +273,7 @@ class TorchKernels:
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
                 reuse = False
-                partials = self._partials_kept(x, labels, math, keep_min=keep_min, **flags)
+                partials = self._partials_kept(x, labels, math, keep_min=keep_min, kept_exps=None, **flags)
             else:
                 partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
         result, coef, lse, *rest = finish(partials)
