@@ -18,12 +18,15 @@ This module finds the thresholds without sorting the vocabulary (`keep_threshold
 * top-p: a token is kept iff the mass strictly above it is ``< top_p * Z`` (``Z``: mass of the set kept
   so far). Each token's bin is read off the bits of its fp32 ``exp(y - M)`` (exponent and
   `TOP_P_MANTISSA_BITS` mantissa bits: `TOP_P_BINS` fixed log-probability bins per row) and one
-  ``index_add`` sums the kept mass per bin (all-reduced over the group: ``[c, TOP_P_BINS]``); summed in
+  ``scatter_add`` sums the kept mass per bin (all-reduced over the group: ``[c, TOP_P_BINS]``); summed in
   float64 the bins give ``Z``, the bin where the cumulative mass crosses ``top_p * Z`` and the mass above
   it. The tokens of that bin (a few dozen to a few hundred per row) are gathered over the group and the
-  exact crossing is found among them in float64. A row whose crossing fell outside that bin (fp32
-  rounding of a bin's sum right at a bin edge) is solved by sorting that row alone (rare; counted in
-  `FALLBACK_ROWS`).
+  exact crossing is found among them in float64; with one process the kept set's mass comes out of the
+  same sums, and the kernels need no pass of their own for it. A row whose crossing fell outside that
+  bin (fp32 rounding of a bin's sum right at a bin edge) is solved by sorting that row alone (rare;
+  counted in `FALLBACK_ROWS`).
+
+The ``exp(y - M)`` of the search are left to the kernels (`ChunkThresholds.exps`), which reuse them.
 
 Ties: top-k keeps ties at the k-th value, as vLLM does. At the top-p boundary vLLM's choice among equal
 values depends on its sort's order; here all tokens equal to the smallest kept value are kept.
