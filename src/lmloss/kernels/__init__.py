@@ -81,8 +81,10 @@ search (`lmloss.sampling.keep_thresholds`) already computed, ``e_j = exp(y_j - s
 row max, so ``e`` may be overwritten) and, where it summed it, the kept set's mass ``sum e_j`` over this
 rank's kept columns. An implementation may use them instead of recomputing (the PyTorch one does; its
 ``m`` is then ``shift``, which the TP combine accepts: the partials are the same relative to any shift
-at or above the kept values) or ignore them. PyTorch reference only for now: the plan runs sampling ops
-on ``impl="torch"``; the Triton kernels do not take the argument.
+at or above the kept values) or ignore them (the Triton kernels do: their one pass makes its own exps;
+they take ``keep_min`` behind a ``KEEP`` constexpr, so the plain kernels compile unchanged). The
+thresholds are found on PyTorch's rounding of ``y``; with softcap the Triton tanh rounds differently, so
+the plan runs sampling ops with softcap on ``impl="torch"``.
 """
 
 from __future__ import annotations
