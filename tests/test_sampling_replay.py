@@ -100,6 +100,23 @@ def test_fused_replay_matches_the_reference_with_bias_and_softcap():
     assert torch.all(ww.grad[outside] == 0)
 
 
+def test_replay_returns_the_log_kept_mass_of_the_replayed_set():
+    g = torch.Generator().manual_seed(5)
+    n, v, t, cap = 12, 300, 0.7, 8.0
+    logits = (torch.randn(n, v, generator=g) * 3).requires_grad_()
+    y = cap * torch.tanh(logits.detach().double() / cap) / t
+    kept = kept_top_k(y, 30)
+    support = support_of(kept, g, width=35)
+    labels = support[:, 0].clone()
+    labels[4] = -100  # the kept mass is the row's, label or not
+    lp, mass = lmloss.token_logprobs(
+        logits, labels, temperature=t, softcap=cap, support=support, return_log_kept_mass=True, chunk_size=5
+    )
+    expected = torch.logsumexp(y.masked_fill(~kept, -INF), -1) - torch.logsumexp(y, -1)
+    torch.testing.assert_close(mass.double(), expected, rtol=0, atol=2e-6)
+    assert lp.requires_grad and not mass.requires_grad  # the mass is not differentiable
+
+
 def test_support_from_offsets_converts_vllms_flat_layout():
     ids = torch.tensor([4, 1, 7, 2, 9, 0])
     offsets = torch.tensor([0, 3, 3, 4, 6])  # token 1 has no kept id (e.g. a prompt position)

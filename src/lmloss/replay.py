@@ -15,7 +15,7 @@ import torch
 from lmloss import _validate
 from lmloss._autograd import once_differentiable
 from lmloss.sampling import SupportSlots, check_support, report_dropped, support_slots
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, world_size
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_max_, all_reduce_sum_, world_size
 
 #: The logit of a slot this rank does not fill (another rank's id, or padding): finite, so that a row with
 #: no id on this shard gives zero mass through the TP combine (``exp(ABSENT - M) = 0``) instead of NaN,
@@ -88,11 +88,14 @@ def replay_over_logits(
     """`lmloss.token_logprobs` with ``support=``: see the module docstring."""
     from lmloss.logits import DEFAULT_CHUNK_SIZE, token_logprobs
 
-    if any(v is not None for v in top[:3]) or top[3]:
+    if any(v is not None for v in top[:3]):
         raise ValueError(
-            "support= replays the engine's kept set: it cannot be combined with top_k / top_p / min_p / "
-            "return_log_kept_mass (they recompute it)"
+            "support= replays the engine's kept set: it cannot be combined with top_k / top_p / min_p "
+            "(they recompute it)"
         )
+    want_mass = top[3]
+    if not isinstance(want_mass, bool):
+        raise TypeError(f"return_log_kept_mass must be a bool, got {want_mass!r}")
     _validate.check_softcap(softcap)
     v_local = logits.shape[-1]
     slots = _slots(
@@ -112,7 +115,45 @@ def replay_over_logits(
         outs = tuple(o.view(labels.shape) for o in outs)
     else:
         outs = outs.view(labels.shape)
-    return _finish(outs, slots, labels, ignore_index, return_entropy)
+    outs = _finish(outs, slots, labels, ignore_index, return_entropy)
+    if not want_mass:
+        return outs
+    with torch.no_grad():
+        mass = _log_kept_mass(
+            logits.detach(), g.detach(), temperature=temperature, softcap=softcap, vocab_size=vocab_size,
+            tp_group=tp_group, vocab_start=vocab_start, chunk_size=chunk_size, impl=impl,
+        ).view(labels.shape)  # fmt: skip
+    return (*outs, mass) if return_entropy else (outs, mass)
+
+
+def _log_kept_mass(
+    logits, slot_logits, *, temperature, softcap, vocab_size, tp_group, vocab_start, chunk_size, impl
+):
+    """``log`` of the replayed set's probability under the full tempered softmax, ``[N]`` fp32:
+    ``logsumexp`` of the slots (`slot_logits`, already softcapped, `ABSENT` where not this rank's) minus
+    that of the whole vocabulary. The latter is read off the plain op's log-prob of id 0 (``y_0 - lse``;
+    one more pass over the logits, without gradient), ``y_0`` from the rank whose shard holds id 0."""
+    from lmloss.logits import token_logprobs
+
+    y = slot_logits.float() * (1.0 / temperature)
+    m = y.amax(dim=-1)
+    big_m = all_reduce_max_(m.clone(), tp_group)
+    slot_lse = big_m + all_reduce_sum_(torch.exp(y - big_m[:, None]).sum(-1), tp_group).log()
+    flat = logits.reshape(-1, logits.shape[-1])
+    zero = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    lp0 = token_logprobs(
+        flat, zero, chunk_size=chunk_size, temperature=temperature, softcap=softcap, vocab_size=vocab_size,
+        tp_group=tp_group, vocab_start=vocab_start, impl=impl,
+    )  # fmt: skip
+    rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+    start = rank * flat.shape[-1] if vocab_start is None else vocab_start
+    x0 = flat[:, 0].float()
+    if softcap:
+        x0 = softcap * torch.tanh(x0 / softcap)
+    y0 = all_reduce_sum_(
+        torch.where(torch.tensor(start == 0, device=flat.device), x0 * (1.0 / temperature), 0.0), tp_group
+    )
+    return slot_lse - (y0 - lp0)
 
 
 class _SupportLinear(torch.autograd.Function):
@@ -177,7 +218,8 @@ def replay_over_hidden(
     if any(v is not None for v in top[:3]) or top[3]:
         raise ValueError(
             "support= replays the engine's kept set: it cannot be combined with top_k / top_p / min_p / "
-            "return_log_kept_mass (they recompute it)"
+            "return_log_kept_mass (they recompute it; the kept mass of a replayed set is computed from "
+            "logits only, for now)"
         )
     if sequence_parallel:
         raise ValueError(

@@ -7,7 +7,7 @@ reference over the unsharded logits (vLLM's order, written out below):
   even     V=200 as 100 + 100 columns; in 4 rows every kept token sits on rank 0 (rank 1 keeps nothing)
   uneven   V=201 as [81, 201) on rank 0 and [0, 81) on rank 1 (out of rank order, explicit vocab_start),
            vocab_size=195: the last 6 columns are padding
-  replay   the reference's kept ids as ``support=`` over the even shards
+  replay   the reference's kept ids as ``support=`` over the even shards (and their kept mass)
   fused    hidden [16, H] and a weight sharded 100 + 100, top_k + top_p + min_p
 """
 
@@ -99,11 +99,12 @@ def _worker(rank, world):
     out["uneven"] = (lp, ent, xu.grad)
 
     xr = full[:, rank * 100 : (rank + 1) * 100].clone().requires_grad_()
-    lp, ent = lmloss.token_logprobs(
-        xr, labels, support=_support(kept), temperature=T, tp_group=group, return_entropy=True
-    )
+    lp, ent, mass = lmloss.token_logprobs(
+        xr, labels, support=_support(kept), temperature=T, tp_group=group, return_entropy=True,
+        return_log_kept_mass=True,
+    )  # fmt: skip
     (lp + ent).sum().backward()
-    out["replay"] = (lp, ent, xr.grad)
+    out["replay"] = (lp, ent, mass, xr.grad)
 
     kept_f = vllm_kept((hidden.double() @ weight.double().T) / T, TOP_K, TOP_P, MIN_P)
     labels_f = _labels_in(kept_f, 3)
@@ -145,8 +146,7 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
             torch.testing.assert_close(got[1].double(), ent, **tol, msg=f"{name} entropy rank {rank}")
             shard = grad[:, rank * 100 : (rank + 1) * 100]
             torch.testing.assert_close(got[-1].double(), shard, **tol, msg=f"{name} grad rank {rank}")
-        if name == "even":
-            torch.testing.assert_close(results[0][name][2].double(), mass, **tol)
+            torch.testing.assert_close(got[2].double(), mass, **tol, msg=f"{name} kept mass rank {rank}")
 
     kept_u = vllm_kept(logits[:, :195].double() / T, TOP_K, TOP_P, MIN_P)
     labels_u = _labels_in(kept_u, 2)
