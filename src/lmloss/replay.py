@@ -201,6 +201,7 @@ class _SupportLinear(torch.autograd.Function):
             if gb is not None:
                 gb.index_add_(0, rows, dz.sum(0))
         if gh is not None:  # every rank's slots hold its own shard's ids: the hidden gradient is their sum
+            # (tp_group None under sequence parallelism: the rows' gather sums them in its backward)
             gh = all_reduce_sum_(gh, ctx.tp_group).to(hidden.dtype)
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
@@ -221,10 +222,10 @@ def replay_over_hidden(
             "return_log_kept_mass (they recompute it; the kept mass of a replayed set is computed from "
             "logits only, for now)"
         )
-    if sequence_parallel:
-        raise ValueError(
-            "support= with sequence_parallel=True is not supported; gather the hidden rows first"
-        )
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if sequence_parallel and tp_group is None:
+        raise ValueError("sequence_parallel=True needs the tp_group that the tokens are sharded over")
     _validate.check_softcap(softcap)
     _validate.check_floating("hidden", hidden)
     _validate.check_floating("weight", weight)
@@ -233,20 +234,30 @@ def replay_over_hidden(
             f"hidden [..., H] and weight [V_local, H] must match in H and dtype, got {tuple(hidden.shape)} "
             f"{hidden.dtype} and {tuple(weight.shape)} {weight.dtype}"
         )
-    labels = _validate.check_labels(labels, hidden.shape[:-1], hidden.device, against="hidden")
+    expected, against = hidden.shape[:-1], "hidden"
+    if sequence_parallel:  # labels and support cover every rank's tokens, in rank order
+        expected = torch.Size((world_size(tp_group) * hidden.shape[0], *hidden.shape[1:-1]))
+        against = "hidden (gathered over tp_group)"
+    labels = _validate.check_labels(labels, expected, hidden.device, against=against)
     v_local = weight.shape[0]
     slots = _slots(
         support, labels, local_vocab=v_local, vocab_size=vocab_size, vocab_start=vocab_start, tp_group=tp_group,
         ignore_index=ignore_index,
     )  # fmt: skip
     flat = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:  # its backward sums the ranks' partial hidden gradients and scatters the rows
+        from lmloss.fused import _GatherRows
+
+        flat = _GatherRows.apply(flat, tp_group)
     n = flat.shape[0]
     if chunk_size == "auto":
         chunk = auto_chunk_size(n, min(v_local, slots.local.shape[1] * 64), hidden.device)
     else:
         _validate.check_chunk_size(chunk_size)
         chunk = n if chunk_size is None else chunk_size
-    g = _SupportLinear.apply(flat, weight, bias, slots.local, max(chunk, 1), tp_group)
+    g = _SupportLinear.apply(
+        flat, weight, bias, slots.local, max(chunk, 1), None if sequence_parallel else tp_group
+    )
     g = _fill(g, slots, softcap)
     outs = token_logprobs(
         g, slots.labels, chunk_size=None, temperature=temperature, ignore_index=ignore_index, tp_group=tp_group,

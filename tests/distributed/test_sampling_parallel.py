@@ -7,7 +7,8 @@ reference over the unsharded logits (vLLM's order, written out below):
   even     V=200 as 100 + 100 columns; in 4 rows every kept token sits on rank 0 (rank 1 keeps nothing)
   uneven   V=201 as [81, 201) on rank 0 and [0, 81) on rank 1 (out of rank order, explicit vocab_start),
            vocab_size=195: the last 6 columns are padding
-  replay   the reference's kept ids as ``support=`` over the even shards (and their kept mass)
+  replay   the reference's kept ids as ``support=`` over the even shards (and their kept mass), and
+           fused under sequence parallelism
   fused    hidden [16, H] and a weight sharded 100 + 100, top_k + top_p + min_p
 """
 
@@ -113,6 +114,16 @@ def _worker(rank, world):
     lp = lmloss.linear_token_logprobs(hh, ww, labels_f, **kw)
     lp.sum().backward()
     out["fused"] = (lp, hh.grad, ww.grad)
+
+    # the same set replayed, fused, sequence parallel: this rank holds half of the tokens' hidden rows
+    hs = hidden[rank * (N // 2) : (rank + 1) * (N // 2)].clone().requires_grad_()
+    ws = weight[rank * 100 : (rank + 1) * 100].clone().requires_grad_()
+    lp = lmloss.linear_token_logprobs(
+        hs, ws, labels_f, support=_support(kept_f), temperature=T, tp_group=group, sequence_parallel=True,
+        chunk_size=5,
+    )  # fmt: skip
+    lp.sum().backward()
+    out["fused_replay_sp"] = (lp, hs.grad, ws.grad)
     return out
 
 
@@ -168,6 +179,13 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
         got_lp, got_h, got_w = res["fused"]
         torch.testing.assert_close(got_lp.double(), lp_f.detach(), **tol)
         torch.testing.assert_close(got_h.double(), h64.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            got_w.double(), w64.grad[rank * 100 : (rank + 1) * 100], rtol=1e-4, atol=1e-4
+        )
+        got_lp, got_h, got_w = res["fused_replay_sp"]
+        torch.testing.assert_close(got_lp.double(), lp_f.detach(), **tol)
+        rows = slice(rank * (N // 2), (rank + 1) * (N // 2))
+        torch.testing.assert_close(got_h.double(), h64.grad[rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(
             got_w.double(), w64.grad[rank * 100 : (rank + 1) * 100], rtol=1e-4, atol=1e-4
         )
