@@ -38,9 +38,11 @@ those ids (`support_slots`, `lmloss.replay`), fused ops matmul only the weight r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -343,40 +345,42 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     # the bins below 2**-TOP_P_OCTAVES are lumped into the lowest one kept (nb per row are summed over the
     # group and searched); a crossing down there (top_p within ~1e-15 of 1) misses the candidates, which
     # are the crossing bin's own tokens, and goes to the dense fallback
-    hist = full[:, _TOP_P_LOWEST:].contiguous()
-    hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
-    at_or_above = _at_or_above(all_reduce_sum_(hist, group))
-    target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
-    crossing = _crossing(at_or_above, target)
-    padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
-    above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)  # the mass strictly above the bin
-    cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
+    with _one_thread(dev):  # [c, bins] work
+        hist = full[:, _TOP_P_LOWEST:].contiguous()
+        hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        at_or_above = _at_or_above(all_reduce_sum_(hist, group))
+        target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
+        crossing = _crossing(at_or_above, target)
+        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)  # the mass strictly above the bin
+        cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
     in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
     r, col = in_bin.nonzero(as_tuple=True)
     vals = y[r, col]
-    cand = _candidates(vals, r, rows, group)  # [c, C] descending, -inf padded
-    cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
-    if keep_cut:
-        cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0.0)
-    # a candidate is kept iff the mass strictly above it is < target: a prefix of the descending list.
-    # Per position, not per run of equal values: the threshold is the last kept value, and y >= t keeps
-    # all of its equals, which is what the rule on runs keeps
-    cum = cand_mass.cumsum(1)
-    kept = (cum - cand_mass < (target - above)[:, None]) & (cand_mass > 0)
-    n_kept = kept.sum(1)
-    t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
-    kept_mass = above + torch.where(cand >= t[:, None], cand_mass, 0.0).sum(1)
-    # the crossing must lie among the candidates: something kept, and not all while mass remains below
-    # (fp32 rounding of a bin's sum right at a bin edge can put it one bin off: that row is sorted)
-    all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & (above + cum[:, -1] < target)
-    active = (top_p < 1.0) & finite
-    miss = active & ((n_kept == 0) | all_kept_short)
-    if bool(miss.any()):
-        t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group)
-        t = torch.where(miss, t_dense, t)
-        kept_mass = torch.where(miss, mass_dense, kept_mass)
-    kept_mass = torch.where(active, kept_mass, at_or_above[:, 0])
-    return torch.where(active, t, -math.inf), kept_mass
+    with _one_thread(dev):
+        cand = _candidates(vals, r, rows, group)  # [c, C] descending, -inf padded
+        cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
+        if keep_cut:
+            cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0.0)
+        # a candidate is kept iff the mass strictly above it is < target: a prefix of the descending list.
+        # Per position, not per run of equal values: the threshold is the last kept value, and y >= t keeps
+        # all of its equals, which is what the rule on runs keeps
+        cum = cand_mass.cumsum(1)
+        kept = (cum - cand_mass < (target - above)[:, None]) & (cand_mass > 0)
+        n_kept = kept.sum(1)
+        t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+        kept_mass = above + torch.where(cand >= t[:, None], cand_mass, 0.0).sum(1)
+        # the crossing must lie among the candidates: something kept, and not all while mass remains below
+        # (fp32 rounding of a bin's sum right at a bin edge can put it one bin off: that row is sorted)
+        all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & (above + cum[:, -1] < target)
+        active = (top_p < 1.0) & finite
+        miss = active & ((n_kept == 0) | all_kept_short)
+        if bool(miss.any()):
+            t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group)
+            t = torch.where(miss, t_dense, t)
+            kept_mass = torch.where(miss, mass_dense, kept_mass)
+        kept_mass = torch.where(active, kept_mass, at_or_above[:, 0])
+        return torch.where(active, t, -math.inf), kept_mass
 
 
 def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.Tensor:
@@ -396,6 +400,22 @@ def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.
         dist.all_gather(parts, dense, group=group)
         dense = torch.cat(parts, dim=1)
     return dense.sort(dim=1, descending=True).values
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """Run a block of small ops (``[c, bins]``, ``[c, candidates]``) on one CPU thread: on a busy machine
+    each parallel op waits for its pool's threads to be scheduled, milliseconds per op, far more than
+    the work of these ops."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor, torch.Tensor]:
