@@ -116,9 +116,19 @@ def reference_outputs(logits, labels, temperature, kept, ignore_index=-100):
     return x, lp, ent
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["top_k", "top_p", "all_three", "per_token"])
-def test_values_and_gradients_match_float64_masked_log_softmax(case, dtype):
+VALUE_CASES = [
+    *[(case, dtype, "torch") for dtype in (torch.float32, torch.bfloat16)
+      for case in ("top_k", "top_p", "all_three", "per_token")],
+    # the Triton kernels take the kept-set threshold too (under the interpreter here)
+    ("all_three", torch.float32, "triton"),
+    ("per_token", torch.bfloat16, "triton"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, dtype, impl", VALUE_CASES)
+def test_values_and_gradients_match_float64_masked_log_softmax(case, dtype, impl):
+    if impl == "triton":
+        pytest.importorskip("triton", reason="the Triton kernels need triton installed")
     kw = CASES[case]
     n, v, temperature = 8, 400, 0.5
     logits = make_logits(n, v, seed=3, dtype=dtype)
@@ -134,7 +144,7 @@ def test_values_and_gradients_match_float64_masked_log_softmax(case, dtype):
     x = logits.clone().requires_grad_()
     with pytest.warns(sampling.KeptSetWarning, match="1 label"):
         lp, ent = lmloss.token_logprobs(
-            x, labels, temperature=temperature, return_entropy=True, chunk_size=5, **kw
+            x, labels, temperature=temperature, return_entropy=True, chunk_size=5, impl=impl, **kw
         )
     (torch.where(torch.isinf(lp), 0.0, lp) * u + ent * w).sum().backward()
 
@@ -245,7 +255,7 @@ def test_the_dense_fallback_solves_rows_whose_histogram_crossing_was_misplaced(m
         (dict(min_p=1.01), "min_p"),
         (dict(min_p=torch.tensor([0.1, 0.2])), "min_p"),
         (dict(return_log_kept_mass=True), "return_log_kept_mass"),
-        (dict(top_k=5, impl="triton"), "impl"),
+        (dict(top_k=5, softcap=30.0, impl="triton"), "impl"),
         (dict(top_k=5, support=torch.zeros(4, 2, dtype=torch.long)), "support"),
     ],
 )

@@ -100,6 +100,23 @@ def test_fused_replay_matches_the_reference_with_bias_and_softcap():
     assert torch.all(ww.grad[outside] == 0)
 
 
+def test_replay_returns_the_log_kept_mass_of_the_replayed_set():
+    g = torch.Generator().manual_seed(5)
+    n, v, t, cap = 12, 300, 0.7, 8.0
+    logits = (torch.randn(n, v, generator=g) * 3).requires_grad_()
+    y = cap * torch.tanh(logits.detach().double() / cap) / t
+    kept = kept_top_k(y, 30)
+    support = support_of(kept, g, width=35)
+    labels = support[:, 0].clone()
+    labels[4] = -100  # the kept mass is the row's, label or not
+    lp, mass = lmloss.token_logprobs(
+        logits, labels, temperature=t, softcap=cap, support=support, return_log_kept_mass=True, chunk_size=5
+    )
+    expected = torch.logsumexp(y.masked_fill(~kept, -INF), -1) - torch.logsumexp(y, -1)
+    torch.testing.assert_close(mass.double(), expected, rtol=0, atol=2e-6)
+    assert lp.requires_grad and not mass.requires_grad  # the mass is not differentiable
+
+
 def test_support_from_offsets_converts_vllms_flat_layout():
     ids = torch.tensor([4, 1, 7, 2, 9, 0])
     offsets = torch.tensor([0, 3, 3, 4, 6])  # token 1 has no kept id (e.g. a prompt position)
@@ -122,6 +139,26 @@ def test_support_from_offsets_converts_vllms_flat_layout():
 def test_bad_support_raises_naming_it(support, match):
     with pytest.raises((ValueError, TypeError), match=match):
         lmloss.token_logprobs(torch.randn(3, 10), torch.tensor([1, 2, 0]), support=support, vocab_size=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_from_logits_writes_its_gradient_into_one_buffer(dtype):
+    # torch.gather's own backward holds two [N, V] tensors (zeros, then an out-of-place scatter_add)
+    g = torch.Generator().manual_seed(3)
+    n, v, k = 256, 4096, 16
+    logits = torch.randn(n, v, generator=g).to(dtype).requires_grad_()
+    support = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    labels = support[:, 0].clone()
+    grad_bytes = n * v * logits.element_size()
+    with peak_memory() as pm:
+        lmloss.token_logprobs(logits, labels, support=support, chunk_size=64).sum().backward()
+    assert pm.peak_bytes - grad_bytes < grad_bytes / 4, f"{pm.peak_bytes / grad_bytes:.2f} x [N, V]"
+    # the gradient itself: onehot - p over the support, 0 elsewhere (float64, written out)
+    x = logits.detach().double()
+    masked = torch.full_like(x, -INF).scatter(1, support, x.gather(1, support))
+    want = torch.zeros_like(x).scatter(1, labels[:, None], 1.0) - masked.softmax(-1)
+    tol = dict(rtol=2e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), want, **tol)
 
 
 def test_fused_sampling_paths_hold_no_token_by_vocabulary_tensor():

@@ -448,7 +448,8 @@ def linear_token_logprobs(
         top_k, top_p, min_p, return_log_kept_mass: the rollout engine's truncation, recomputed per chunk
             (as in `lmloss.token_logprobs`).
         support: the engine's kept ids ``[..., K]`` (-1 padded): each chunk multiplies its hidden rows by
-            only the weight rows its ids name (`lmloss.replay`). Not with ``sequence_parallel``.
+            only the weight rows its ids name (`lmloss.replay`). With ``sequence_parallel``, `labels` and
+            `support` cover every rank's tokens (as `labels` always does).
         Other arguments as in `lmloss.token_logprobs` (`temperature`, `softcap`, `impl`, ...).
 
     Returns:

@@ -255,11 +255,11 @@ def token_logprobs(
             shaped like `labels`): the log-probs, entropy and gradients are those of the distribution
             vLLM samples from, renormalised over the kept set (`lmloss.sampling`, docs/sampling.md).
             A label outside the kept set gets -inf with no gradient, and a warning counts them.
-            PyTorch kernels only for now (``impl="auto"`` picks them).
+            Both implementations; with `softcap` the PyTorch kernels only (``impl="auto"`` picks them).
         support: instead of recomputing, the kept ids the engine returned, ``[..., K]`` (-1 padded;
             `lmloss.sampling.support_from_offsets` converts vLLM's ids + offsets): renormalise over them.
         return_log_kept_mass: also return ``log`` of the kept set's probability under the full tempered
-            softmax (not differentiable; with top_k / top_p / min_p).
+            softmax (not differentiable; with top_k / top_p / min_p, or with support).
 
     Returns:
         fp32 ``[...]`` log-probs (fp64 for fp64 logits), then entropy and log kept mass if asked (a

@@ -141,10 +141,14 @@ def make_plan(
         _validate.check_z_loss(z_loss)
         requested = impl
         impl = resolve_impl(impl, device, dtype)
-        if sampling is not None:
-            # the kept-set threshold is in the PyTorch reference kernels only, for now
+        if sampling is not None and softcap:
+            # the Triton kernels' tanh rounds differently from torch.tanh, on whose values the thresholds are
+            # found: a token at the threshold could drop out of its own kept set
             if requested == "triton":
-                raise ValueError('top_k / top_p / min_p run on impl="torch" for now (impl="auto" picks it)')
+                raise ValueError(
+                    'top_k / top_p / min_p with softcap run on impl="torch" (impl="auto" picks it); '
+                    'impl="triton" takes them without softcap'
+                )
             impl = "torch"
     if sampling is not None:
         agree = {**(agree or {}), **sampling.agree_fields()}
@@ -164,7 +168,8 @@ def make_plan(
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
     if chunk_size == "auto":
-        chunk_size = auto_chunk(n_tokens, max_local, impl)
+        # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does
+        chunk_size = auto_chunk(n_tokens, max_local, "torch" if sampling is not None else impl)
     math = ChunkMath(
         vocab_start=shard.start, valid=shard.valid, scale=1.0 / temperature, softcap=float(softcap or 0.0)
     )
@@ -278,6 +283,10 @@ def forward_pass(
     if plan.sampling is not None:
         results["dropped"] = torch.zeros(n, dtype=torch.bool, device=device)
     kernels = plan.kernels(n, device)
+    search = None  # the threshold search runs on the PyTorch kernels' scaled values and scratch
+    if plan.sampling is not None:
+        rows = min(n, plan.chunk_size or n)
+        search = kernels if plan.impl == "torch" else make_kernels("torch", rows, plan.shard.size, device)
     uniform = plan.label_smoothing > 0
     overwrite = getattr(source, "owns_chunks", False)
     one_kernel = (
@@ -289,16 +298,17 @@ def forward_pass(
     for s, e in plan.chunks(n):
         x = source(s, e)
         chunk_labels = None if labels is None else labels[s:e]
-        keep_min = None
+        keep_min = kept = None
         if plan.sampling is not None:  # the kept set's per-row threshold (collectives over tp_group)
-            keep_min, full_lse = keep_thresholds(
-                kernels.scaled(x, plan.math), plan.sampling.rows(s, e), min(plan.sampling.k_max, plan.shard.vocab_size),
-                group=plan.tp_group, scratch=kernels.scratch, want_full_lse=plan.sampling.log_kept_mass,
+            kept = keep_thresholds(
+                search.scaled(x, plan.math), plan.sampling.rows(s, e), min(plan.sampling.k_max, plan.shard.vocab_size),
+                group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
             )  # fmt: skip
+            keep_min, full_lse = kept.keep_min, kept.full_lse
         if grad_sink is None:
             partials = kernels.softmax_partials(
                 x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite,
-                **({} if keep_min is None else {"keep_min": keep_min}),
+                **({} if kept is None else {"keep_min": keep_min, "kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}),
             )  # fmt: skip
             stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
             if keep_min is not None:

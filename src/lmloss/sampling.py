@@ -16,13 +16,17 @@ This module finds the thresholds without sorting the vocabulary (`keep_threshold
 * top-k: the k-th largest value of the row: ``topk`` of each shard's valid columns, gathered over the TP
   group, ``topk`` again;
 * top-p: a token is kept iff the mass strictly above it is ``< top_p * Z`` (``Z``: mass of the set kept
-  so far). One pass puts each value in one of `TOP_P_BINS` bins over the row's value range and one
-  ``index_add`` sums the kept mass per bin (all-reduced over the group: ``[c, 2048]``); summed in float64
-  the bins give ``Z``, the bin where the cumulative mass crosses ``top_p * Z`` and the mass above it. The
-  tokens of that bin and its `TOP_P_WINDOW` neighbours (a few dozen per row) are gathered over the group
-  and the exact crossing is found among them in float64. A row whose crossing fell outside the window
-  (fp32 rounding of a bin's sum at a bin edge) is solved by sorting that row alone (rare; counted in
-  `FALLBACK_ROWS`).
+  so far). Each token's bin is read off the bits of its fp32 ``exp(y - M)`` (exponent and
+  `TOP_P_MANTISSA_BITS` mantissa bits: `TOP_P_BINS` fixed log-probability bins per row) and one
+  ``scatter_add`` sums the kept mass per bin (all-reduced over the group: ``[c, TOP_P_BINS]``); summed in
+  float64 the bins give ``Z``, the bin where the cumulative mass crosses ``top_p * Z`` and the mass above
+  it. The tokens of that bin (a few dozen to a few hundred per row) are gathered over the group and the
+  exact crossing is found among them in float64; with one process the kept set's mass comes out of the
+  same sums, and the kernels need no pass of their own for it. A row whose crossing fell outside that
+  bin (fp32 rounding of a bin's sum right at a bin edge) is solved by sorting that row alone (rare;
+  counted in `FALLBACK_ROWS`).
+
+The ``exp(y - M)`` of the search are left to the kernels (`ChunkThresholds.exps`), which reuse them.
 
 Ties: top-k keeps ties at the k-th value, as vLLM does. At the top-p boundary vLLM's choice among equal
 values depends on its sort's order; here all tokens equal to the smallest kept value are kept.
@@ -34,20 +38,30 @@ those ids (`support_slots`, `lmloss.replay`), fused ops matmul only the weight r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_max_, all_reduce_sum_, world_size
 
-#: Value bins of the top-p histogram (per row).
-TOP_P_BINS = 2048
-#: Bins taken as candidates on each side of the crossing one: the fp32 histogram may misplace the
-#: crossing by a bin; the exact float64 search over the window corrects that.
-TOP_P_WINDOW = 1
+#: Top-p bins a token by its fp32 ``exp(y - M)``: the exponent and this many leading mantissa bits, i.e.
+#: ``2**5`` bins per halving of the probability (about 0.022 in y), fixed (no value range to find first)
+#: and the same on every TP rank.
+TOP_P_MANTISSA_BITS = 5
+#: Halvings of the probability (below the row's top one) that get their own bins; the tokens below
+#: ``2**-64`` times the top probability share bin 0.
+TOP_P_OCTAVES = 64
+_TOP_P_SHIFT = 23 - TOP_P_MANTISSA_BITS
+#: The bin id of ``2**-TOP_P_OCTAVES``: the bits of an fp32 shifted right by `_TOP_P_SHIFT` (1.0 is
+#: ``127 << 23`` before the shift).
+_TOP_P_LOWEST = (127 - TOP_P_OCTAVES) << TOP_P_MANTISSA_BITS
+#: Bins per row: ``2**-TOP_P_OCTAVES`` up to 1.0 (the row's top token) inclusive.
+TOP_P_BINS = (TOP_P_OCTAVES << TOP_P_MANTISSA_BITS) + 1
 #: Rows (since import) whose top-p crossing was solved by the dense fallback; for tests and curiosity.
 FALLBACK_ROWS = [0]
 
@@ -190,16 +204,36 @@ def _round_up_to(t64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(t.double() < t64, torch.nextafter(t, torch.full_like(t, math.inf)), t)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkThresholds:
+    """What `keep_thresholds` finds for one chunk.
+
+    keep_min: ``[c]`` (y's dtype) the kept set's threshold per row, -inf where nothing is cut.
+    row_max: ``[c]`` the global row max ``M`` of y (over the TP group).
+    exps: ``[c, V_valid]`` ``exp(y - row_max)`` of every column, already 0 in some dropped ones (a scratch
+        buffer the kernels may reuse: `lmloss.kernels`, ``kept_exps``).
+    full_lse: ``[c]`` the global ``logsumexp(y)`` over the whole vocabulary, or None (not asked).
+    kept_mass: ``[c]`` ``sum exp(y - row_max)`` over the kept set, where the search found it on the way
+        (top-p, one process: from its histogram and candidates); else None.
+    """
+
+    keep_min: torch.Tensor
+    row_max: torch.Tensor
+    exps: torch.Tensor
+    full_lse: torch.Tensor | None
+    kept_mass: torch.Tensor | None = None
+
+
 def keep_thresholds(
     y: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch, want_full_lse: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-row ``keep_min [c]`` (y's dtype; -inf where nothing is cut) for the chunk's scaled logits.
+) -> ChunkThresholds:
+    """The kept set of each row of the chunk's scaled logits (see `ChunkThresholds`).
 
     y: ``[c, V_valid]`` this rank's valid columns of ``scale * softcap(x)`` (fp32 / fp64), exactly as the
         kernels compute them; not modified.
     params: `Sampling.rows` of the chunk. group: the TP group (thresholds are global).
-    scratch: a `ChunkScratch` with chunk-sized buffers. Returns also, with `want_full_lse`, the global
-    ``logsumexp(y)`` over the whole vocabulary (for the kept mass).
+    scratch: a `ChunkScratch` with chunk-sized buffers (the exps are left in its ``"exps"`` buffer).
+    want_full_lse: also the global ``logsumexp(y)`` (for the kept mass).
     """
     rows, dt, dev = y.shape[0], y.dtype, y.device
     neg_inf = torch.full((rows,), -math.inf, dtype=dt, device=dev)
@@ -213,19 +247,22 @@ def keep_thresholds(
         keep = torch.maximum(
             keep, _kth_largest(y, _per_row(params["top_k"], rows, dev, torch.int64), k_max, group)
         )
-    exps = None
+    # exp(y - M) once: the full mass, top-p's histogram and the kernels' partials all use them
+    exps = torch.sub(y, big_m[:, None], out=scratch.get("exps", rows, y.shape[1], dt)).exp_()
     full_lse = None
-    if want_full_lse or params["top_p"] is not None:
-        exps = torch.sub(y, big_m[:, None], out=scratch.get("exps", rows, y.shape[1], dt)).exp_()
-        if want_full_lse:
-            full = all_reduce_sum_(_sum64(exps), group)
-            full_lse = (big_m.double() + full.log()).to(dt)
+    if want_full_lse:
+        full = all_reduce_sum_(_sum64(exps), group)
+        full_lse = (big_m.double() + full.log()).to(dt)
+    kept_mass = None
     if params["top_p"] is not None:
         top_p = _per_row(params["top_p"], rows, dev, torch.float64)
         if bool((top_p < 1.0).any()):
-            t = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
             keep = torch.maximum(keep, t)
-    return keep, full_lse
+            # under TP the mass is the group's, not this shard's: the kernels sum their own
+            if world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
+                kept_mass = mass.to(dt)
+    return ChunkThresholds(keep_min=keep, row_max=big_m, exps=exps, full_lse=full_lse, kept_mass=kept_mass)
 
 
 def _kth_largest(y: torch.Tensor, k: torch.Tensor, k_max: int, group) -> torch.Tensor:
@@ -262,17 +299,12 @@ def _sum64(t: torch.Tensor) -> torch.Tensor:
     return total + t[:, main:].double().sum(1) if main < cols else total
 
 
-def _histogram(index: torch.Tensor, values: torch.Tensor, rows: int, bins: int, group) -> torch.Tensor:
-    """Per-row sums of `values` by bin: `index` int32 ``[c, V]`` already offset by ``row * bins``."""
-    hist = torch.zeros(rows * bins, dtype=values.dtype, device=values.device)
-    hist.index_add_(0, index.reshape(-1), values.reshape(-1))
-    return all_reduce_sum_(hist.view(rows, bins), group)
-
-
 def _at_or_above(hist: torch.Tensor) -> torch.Tensor:
     """Float64 mass at or above each bin (summed from the top bin down), ``[c, bins]``."""
     hist = hist.double()
-    return hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
+    below = hist.cumsum(1)  # mass at or below each bin; at or above = total - below + own (in place)
+    total = below[:, -1:].clone()
+    return torch.sub(total, below, out=below).add_(hist)
 
 
 def _crossing(at_or_above: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -280,98 +312,89 @@ def _crossing(at_or_above: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((at_or_above >= target[:, None]).sum(1) - 1).clamp(min=0)
 
 
-def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Tensor:
-    """The smallest kept value of top-p over ``{y >= keep}`` (-inf where top_p == 1).
+def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest kept value of top-p over ``{y >= keep}`` (-inf where top_p == 1), and the mass
+    ``sum exp(y - M)`` of the kept set (float64 ``[c]``; over the whole group's vocabulary).
 
-    One histogram of the kept mass over `TOP_P_BINS` value bins per row (summed over the group) gives the
-    kept mass ``Z`` and the crossing bin; the tokens of that bin and its `TOP_P_WINDOW` neighbours are
-    the candidates, and the exact crossing is found among them in float64. Each bin sums a few dozen
-    fp32 exps and the bins are summed in float64, so the masses are good to ~1e-8 relative.
+    `exps` ``[c, V]``: ``exp(y - M)`` (zeroed here below `keep`). A histogram of the kept mass per row over
+    `TOP_P_BINS` fixed log-probability bins (summed over the group) gives the kept mass ``Z``, the bin
+    where the mass from the top crosses ``top_p * Z``, and the mass above that bin; the tokens of the
+    crossing bin are the candidates, and the exact crossing is found among them in float64. Each bin
+    sums fp32 exps and the bins are summed in float64, so the masses are good to ~1e-7 relative.
     """
     rows, cols = y.shape
-    # row positions carry a row offset (r * bins) in fp32: blocks of rows keep them exact integers
-    step = max(1, 2**24 // TOP_P_BINS)
-    if rows > step:
-        parts = [
-            _top_p_threshold(
-                y[s : s + step],
-                exps[s : s + step],
-                big_m[s : s + step],
-                keep[s : s + step],
-                top_p[s : s + step],
-                group=group,
-                scratch=scratch,
-            )  # fmt: skip
-            for s in range(0, rows, step)
-        ]
-        return torch.cat(parts)
     dt, dev = y.dtype, y.device
-    nb, win = TOP_P_BINS, TOP_P_WINDOW
-    kept_buf = scratch.get("kept", rows, cols, dt)
-    if bool(torch.isfinite(keep).any()):
+    nb = TOP_P_BINS
+    keep_cut = bool(torch.isfinite(keep).any())
+    if keep_cut:
         # the mass of the set kept so far (a multiply by a 0 / 1 float mask: a bool operand, masked_fill
         # or where cost several passes on CPU)
-        exps.mul_(torch.ge(y, keep[:, None], out=kept_buf))
-    # value range of the row's kept set: [lo, M]; the span is widened a little so that M falls inside
-    lo = torch.maximum(keep, y.amin(dim=1) if cols else big_m)
-    lo = -all_reduce_max_(-lo, group)
-    span = ((big_m - lo) * (1.0 + 2.0**-10)).clamp(min=1e-30)  # one kept value: all in bin 0, no 0 * inf
-    per_value = nb / span
-    base = torch.arange(rows, device=dev, dtype=dt) * nb  # row r's bins are [r * nb, (r + 1) * nb)
-    # position of each value: (y - lo) * nb / span + r * nb in one pass, monotone in y; every mask below
-    # and the histogram's index derive from these same numbers, so they agree on each token's bin
-    pos = scratch.get("samp_pos", rows, cols, dt)
-    torch.addcmul((base - lo * per_value)[:, None], y, per_value[:, None], out=pos)
-    pos.clamp_(min=base[:, None], max=(base + (nb - 1))[:, None])
-    index = scratch.get("samp_index", rows, cols, torch.int32).copy_(pos)  # truncation = floor (>= 0)
-    at_or_above = _at_or_above(_histogram(index, exps, rows, nb, group))
-    target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
-    crossing = _crossing(at_or_above, target)
-    above_bin = (crossing + win + 1).clamp(max=nb)  # the first bin above the candidates (nb: none)
-    padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
-    above = padded.gather(1, above_bin[:, None]).squeeze(1)  # the mass strictly above the candidates
-    # candidates: bin(pos) in [crossing - win, crossing + win], compared on the positions as floats
-    # (bin >= b  <=>  pos >= r * nb + b, exactly); 0 / 1 float masks in free buffers
-    lo_edge = (base + (crossing - win).clamp(min=0).to(dt))[:, None]
-    hi_edge = (base + above_bin.to(dt))[:, None]
-    in_window = torch.ge(pos, lo_edge, out=kept_buf).sub_(torch.ge(pos, hi_edge, out=exps))
-    cand = _candidates(y, in_window, group)  # [c, C] descending, -inf padded
-    cand_mass = torch.where(cand >= keep[:, None], torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
-    # mass strictly above each candidate: the exclusive cumsum at the first of its run of equal values
-    excl = cand_mass.cumsum(1) - cand_mass
-    n_c = cand.shape[1]
-    idx = torch.arange(n_c, device=dev).expand(rows, n_c)
-    new_run = torch.ones_like(cand, dtype=torch.bool)
-    if n_c > 1:
-        new_run[:, 1:] = cand[:, 1:] != cand[:, :-1]
-    first = torch.where(new_run, idx, 0).cummax(1).values
-    mass_above = above[:, None] + excl.gather(1, first)
-    kept = (mass_above < target[:, None]) & (cand_mass > 0)
-    n_kept = kept.sum(1)
-    t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
-    # the crossing must lie among the candidates: something kept, and not all while mass remains below
-    n_real = (cand_mass > 0).sum(1)
-    all_kept_short = (n_kept == n_real) & (above + cand_mass.sum(1) < target)
-    active = top_p < 1.0
-    miss = active & ((n_kept == 0) | all_kept_short)
-    if bool(miss.any()):
-        t = torch.where(miss, _dense_top_p(y, keep, big_m, top_p, miss, group), t)
-    return torch.where(active, t, -math.inf)
+        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
+    finite = torch.isfinite(big_m)  # a row of NaN / inf logits has NaN exps: give them no mass
+    if not bool(finite.all()):
+        exps.masked_fill_(~finite[:, None], 0.0)
+    # each token's bin: the leading bits of its fp32 exp (exponent and TOP_P_MANTISSA_BITS mantissa bits),
+    # monotone in y, below _TOP_P_LOWEST + nb for every value in [0, 1]. The histogram and the candidates'
+    # mask both read these same integers, so they agree on every token's bin. (int32 work in the free
+    # "kept" buffer; scatter_add wants int64 indices, and parallelises over rows where index_add does not.)
+    bins = scratch.get("kept", rows, cols, torch.float32).view(torch.int32)
+    bits = exps if dt == torch.float32 else bins.view(torch.float32).copy_(exps)  # fp64: rounded, monotone
+    torch.bitwise_right_shift(bits.view(torch.int32), _TOP_P_SHIFT, out=bins)
+    index = scratch.get("samp_index", rows, cols, torch.int64).copy_(bins)
+    full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=dt, device=dev).scatter_add_(1, index, exps)
+    # the bins below 2**-TOP_P_OCTAVES are lumped into the lowest one kept (nb per row are summed over the
+    # group and searched); a crossing down there (top_p within ~1e-15 of 1) misses the candidates, which
+    # are the crossing bin's own tokens, and goes to the dense fallback
+    with _one_thread(dev):  # [c, bins] work
+        hist = full[:, _TOP_P_LOWEST:].contiguous()
+        hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        at_or_above = _at_or_above(all_reduce_sum_(hist, group))
+        target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
+        crossing = _crossing(at_or_above, target)
+        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)  # the mass strictly above the bin
+        cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
+    in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
+    r, col = in_bin.nonzero(as_tuple=True)
+    vals = y[r, col]
+    with _one_thread(dev):
+        cand = _candidates(vals, r, rows, group)  # [c, C] descending, -inf padded
+        cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
+        if keep_cut:
+            cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0.0)
+        # a candidate is kept iff the mass strictly above it is < target: a prefix of the descending list.
+        # Per position, not per run of equal values: the threshold is the last kept value, and y >= t keeps
+        # all of its equals, which is what the rule on runs keeps
+        cum = cand_mass.cumsum(1)
+        kept = (cum - cand_mass < (target - above)[:, None]) & (cand_mass > 0)
+        n_kept = kept.sum(1)
+        t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+        kept_mass = above + torch.where(cand >= t[:, None], cand_mass, 0.0).sum(1)
+        # the crossing must lie among the candidates: something kept, and not all while mass remains below
+        # (fp32 rounding of a bin's sum right at a bin edge can put it one bin off: that row is sorted)
+        all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & (above + cum[:, -1] < target)
+        active = (top_p < 1.0) & finite
+        miss = active & ((n_kept == 0) | all_kept_short)
+        if bool(miss.any()):
+            t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group)
+            t = torch.where(miss, t_dense, t)
+            kept_mass = torch.where(miss, mass_dense, kept_mass)
+        kept_mass = torch.where(active, kept_mass, at_or_above[:, 0])
+        return torch.where(active, t, -math.inf), kept_mass
 
 
-def _candidates(y: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
-    """The values of `y` under `mask`, per row, gathered over `group`: ``[c, C]`` descending, -inf padded."""
-    rows = y.shape[0]
-    r, col = mask.nonzero(as_tuple=True)
+def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.Tensor:
+    """Flat values `vals` of rows `r` (non-decreasing, as ``nonzero`` gives them), gathered over `group`:
+    ``[rows, C]`` descending per row, -inf padded."""
     counts = torch.bincount(r, minlength=rows)
     width = int(counts.max()) if r.numel() else 0
     if world_size(group) > 1:
-        width_t = torch.tensor([width], device=y.device)
+        width_t = torch.tensor([width], device=vals.device)
         width = int(all_reduce_max_(width_t, group))
     starts = counts.cumsum(0) - counts
-    within = torch.arange(r.numel(), device=y.device) - starts[r]
-    dense = y.new_full((rows, max(width, 1)), -math.inf)
-    dense[r, within] = y[r, col]
+    within = torch.arange(r.numel(), device=vals.device) - starts[r]
+    dense = vals.new_full((rows, max(width, 1)), -math.inf)
+    dense[r, within] = vals
     if world_size(group) > 1:
         parts = [torch.empty_like(dense) for _ in range(world_size(group))]
         dist.all_gather(parts, dense, group=group)
@@ -379,8 +402,25 @@ def _candidates(y: torch.Tensor, mask: torch.Tensor, group) -> torch.Tensor:
     return dense.sort(dim=1, descending=True).values
 
 
-def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> torch.Tensor:
-    """Exact top-p threshold of the rows in `rows_mask` by sorting them whole (the rare fallback)."""
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """Run a block of small ops (``[c, bins]``, ``[c, candidates]``) on one CPU thread: on a busy machine
+    each parallel op waits for its pool's threads to be scheduled, milliseconds per op, far more than
+    the work of these ops."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-p threshold and kept mass (as `_top_p_threshold`) of the rows in `rows_mask` by sorting
+    them whole (the rare fallback)."""
     idx = rows_mask.nonzero(as_tuple=True)[0]
     FALLBACK_ROWS[0] += int(idx.numel())
     sub = y[idx]
@@ -406,7 +446,9 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> torch.Tensor:
     t_rows = vals.gather(1, (kept.sum(1) - 1).clamp(min=0)[:, None]).squeeze(1)
     out = torch.full_like(big_m, -math.inf)
     out[idx] = t_rows
-    return out
+    kept_mass = torch.zeros(big_m.shape, dtype=torch.float64, device=y.device)
+    kept_mass[idx] = torch.where(kept, mass, 0.0).sum(1)
+    return out, kept_mass
 
 
 # ----------------------------------------------------------------------------------------------------------

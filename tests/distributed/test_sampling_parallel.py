@@ -7,7 +7,8 @@ reference over the unsharded logits (vLLM's order, written out below):
   even     V=200 as 100 + 100 columns; in 4 rows every kept token sits on rank 0 (rank 1 keeps nothing)
   uneven   V=201 as [81, 201) on rank 0 and [0, 81) on rank 1 (out of rank order, explicit vocab_start),
            vocab_size=195: the last 6 columns are padding
-  replay   the reference's kept ids as ``support=`` over the even shards
+  replay   the reference's kept ids as ``support=`` over the even shards (and their kept mass), and
+           fused under sequence parallelism
   fused    hidden [16, H] and a weight sharded 100 + 100, top_k + top_p + min_p
 """
 
@@ -99,11 +100,12 @@ def _worker(rank, world):
     out["uneven"] = (lp, ent, xu.grad)
 
     xr = full[:, rank * 100 : (rank + 1) * 100].clone().requires_grad_()
-    lp, ent = lmloss.token_logprobs(
-        xr, labels, support=_support(kept), temperature=T, tp_group=group, return_entropy=True
-    )
+    lp, ent, mass = lmloss.token_logprobs(
+        xr, labels, support=_support(kept), temperature=T, tp_group=group, return_entropy=True,
+        return_log_kept_mass=True,
+    )  # fmt: skip
     (lp + ent).sum().backward()
-    out["replay"] = (lp, ent, xr.grad)
+    out["replay"] = (lp, ent, mass, xr.grad)
 
     kept_f = vllm_kept((hidden.double() @ weight.double().T) / T, TOP_K, TOP_P, MIN_P)
     labels_f = _labels_in(kept_f, 3)
@@ -112,6 +114,16 @@ def _worker(rank, world):
     lp = lmloss.linear_token_logprobs(hh, ww, labels_f, **kw)
     lp.sum().backward()
     out["fused"] = (lp, hh.grad, ww.grad)
+
+    # the same set replayed, fused, sequence parallel: this rank holds half of the tokens' hidden rows
+    hs = hidden[rank * (N // 2) : (rank + 1) * (N // 2)].clone().requires_grad_()
+    ws = weight[rank * 100 : (rank + 1) * 100].clone().requires_grad_()
+    lp = lmloss.linear_token_logprobs(
+        hs, ws, labels_f, support=_support(kept_f), temperature=T, tp_group=group, sequence_parallel=True,
+        chunk_size=5,
+    )  # fmt: skip
+    lp.sum().backward()
+    out["fused_replay_sp"] = (lp, hs.grad, ws.grad)
     return out
 
 
@@ -145,8 +157,7 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
             torch.testing.assert_close(got[1].double(), ent, **tol, msg=f"{name} entropy rank {rank}")
             shard = grad[:, rank * 100 : (rank + 1) * 100]
             torch.testing.assert_close(got[-1].double(), shard, **tol, msg=f"{name} grad rank {rank}")
-        if name == "even":
-            torch.testing.assert_close(results[0][name][2].double(), mass, **tol)
+            torch.testing.assert_close(got[2].double(), mass, **tol, msg=f"{name} kept mass rank {rank}")
 
     kept_u = vllm_kept(logits[:, :195].double() / T, TOP_K, TOP_P, MIN_P)
     labels_u = _labels_in(kept_u, 2)
@@ -168,6 +179,13 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
         got_lp, got_h, got_w = res["fused"]
         torch.testing.assert_close(got_lp.double(), lp_f.detach(), **tol)
         torch.testing.assert_close(got_h.double(), h64.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            got_w.double(), w64.grad[rank * 100 : (rank + 1) * 100], rtol=1e-4, atol=1e-4
+        )
+        got_lp, got_h, got_w = res["fused_replay_sp"]
+        torch.testing.assert_close(got_lp.double(), lp_f.detach(), **tol)
+        rows = slice(rank * (N // 2), (rank + 1) * (N // 2))
+        torch.testing.assert_close(got_h.double(), h64.grad[rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(
             got_w.double(), w64.grad[rank * 100 : (rank + 1) * 100], rtol=1e-4, atol=1e-4
         )

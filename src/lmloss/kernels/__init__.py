@@ -75,8 +75,16 @@ Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softm
 target is -inf when it is the label), and its gradient is 0; ``p`` above is then the renormalised
 probability over the kept columns (``lse`` is theirs). The comparison is on ``y`` rounded exactly as the
 partials round it (`TorchKernels.scaled`), so forward and backward agree on the set. A row with no kept
-column on this shard (TP) gives ``m = -inf``, ``s = t = 0``. PyTorch reference only for now: the plan
-runs sampling ops on ``impl="torch"``; the Triton kernels do not take the argument.
+column on this shard (TP) gives ``m = -inf``, ``s = t = 0``. ``softmax_partials`` also takes an optional
+``kept_exps = (e [c, V_valid], shift [c], kept_mass [c] or None)`` with the keep_min: what the threshold
+search (`lmloss.sampling.keep_thresholds`) already computed, ``e_j = exp(y_j - shift)`` (``shift`` the global
+row max, so ``e`` may be overwritten) and, where it summed it, the kept set's mass ``sum e_j`` over this
+rank's kept columns. An implementation may use them instead of recomputing (the PyTorch one does; its
+``m`` is then ``shift``, which the TP combine accepts: the partials are the same relative to any shift
+at or above the kept values) or ignore them (the Triton kernels do: their one pass makes its own exps;
+they take ``keep_min`` behind a ``KEEP`` constexpr, so the plain kernels compile unchanged). The
+thresholds are found on PyTorch's rounding of ``y``; with softcap the Triton tanh rounds differently, so
+the plan runs sampling ops with softcap on ``impl="torch"``.
 """
 
 from __future__ import annotations

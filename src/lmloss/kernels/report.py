@@ -159,7 +159,7 @@ def kernel_rows(
 
     f32, i32 = "fp32", "i32"
     pointers = {"x_ptr", "out_ptr", "labels_ptr", "lse_ptr", "entropy_ptr", "coef_ptr", "res_ptr",
-                "grad_scale_ptr"}  # fmt: skip
+                "grad_scale_ptr", "keep_ptr"}  # fmt: skip
     sixteen = {name for name, n in (("valid", valid), ("n_cols", width)) if n % 16 == 0}
     if width % 16 == 0:
         sixteen |= {"x_row_stride", "out_row_stride"}
@@ -170,15 +170,15 @@ def kernel_rows(
         "softmax_partials": (
             tk._softmax_partials_kernel, tk.FORWARD_BLOCKS, valid,
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": i32,
-             "vocab_start": i32, **math},
-            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on),
+             "vocab_start": i32, **math, "keep_ptr": "*fp32"},
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False),
         ),
         "softmax_grad": (
             tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width,
             {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
              "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": i32,
-             "valid": i32, "vocab_start": i32, **math},
-            dict(flags, ENTROPY=on, LABELS=True),
+             "valid": i32, "vocab_start": i32, **math, "keep_ptr": "*fp32"},
+            dict(flags, ENTROPY=on, LABELS=True, KEEP=False),
         ),
         "cross_entropy_loss_and_grad": (
             tk._cross_entropy_loss_grad_kernel, tk.FORWARD_BLOCKS, width,

@@ -104,13 +104,15 @@ class TorchKernels:
 
     def softmax_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
-        keep_min=None,
+        keep_min=None, kept_exps=None,
     ) -> torch.Tensor:  # fmt: skip
         """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place.
-        `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None."""
+        `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None;
+        `kept_exps`: ``(exps, shift, kept_mass or None)`` the threshold search left (reused here, and
+        overwritten)."""
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
-                return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min)
+                return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps)
             return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
@@ -123,10 +125,13 @@ class TorchKernels:
             return x[:, : math.valid]  # y is x itself (read-only): no copy
         return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
-    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min):
-        """The partials over the kept columns ``y >= keep_min``. The exps are computed for every column
-        (an exp of -inf takes CPUs' slow path) and multiplied by the kept mask, a 0 / 1 float tensor (a
-        bool mask in a multiply, ``masked_fill`` or ``where`` costs several passes on CPU)."""
+    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps):
+        """The partials over the kept columns ``y >= keep_min``. The exps are those of every column (an exp
+        of -inf takes CPUs' slow path), multiplied by the kept mask, a 0 / 1 float tensor (a bool mask in
+        a multiply, ``masked_fill`` or ``where`` costs several passes on CPU). With `kept_exps`
+        (``exp(y - shift)``, ``shift`` the global row max) they are not recomputed, and ``m`` is ``shift``:
+        the partials are the same relative to any shift at or above the kept values; with its kept mass
+        (``sum exp(y - shift)`` over the kept set) too, ``s`` is that, and only the target is read."""
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         out = torch.zeros((rows, 5), dtype=acc, device=x.device)
@@ -141,25 +146,36 @@ class TorchKernels:
         else:
             y = _transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
         self._scaled_of = None
-        kept = torch.ge(y, keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
-        m_row = y.amax(dim=-1)
-        # the row's max is kept unless this shard keeps nothing (TP): then m = -inf and s = t = 0
-        out[:, 0] = torch.where(m_row >= keep_min, m_row, float("-inf"))
+        kept_mass = None
+        if kept_exps is not None:
+            exps, shift, kept_mass = kept_exps
+            out[:, 0] = shift
+        else:
+            exps, shift = None, y.amax(dim=-1)
+            # the row's max is kept unless this shard keeps nothing (TP): then m = -inf and s = t = 0
+            out[:, 0] = torch.where(shift >= keep_min, shift, float("-inf"))
         if target:
             idx, owned = local_targets(labels, math)
             y_label = y.gather(1, idx[:, None]).squeeze(1)
             out[:, 3] = torch.where(owned, torch.where(y_label >= keep_min, y_label, float("-inf")), 0.0)
+        if kept_mass is not None and not entropy and not sum_logits:
+            out[:, 1] = kept_mass  # the threshold search summed it: no pass over the chunk
+            return out
+        kept = torch.ge(y, keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
         if sum_logits:
             out[:, 4] = (y * kept).sum(dim=-1)
         if not entropy:  # exps in the "exps" buffer: the threshold search's, already paged in
-            exps = self.scratch.get("exps", rows, n_valid, acc)
-            out[:, 1] = torch.sub(y, m_row[:, None], out=exps).exp_().mul_(kept).sum(dim=-1)
+            if exps is None:
+                exps = torch.sub(y, shift[:, None], out=self.scratch.get("exps", rows, n_valid, acc)).exp_()
+            out[:, 1] = exps.mul_(kept).sum(dim=-1)
             return out
         if identity:
-            shifted = torch.sub(y, m_row[:, None], out=self.scratch.get("y", rows, n_valid, acc))
+            shifted = torch.sub(y, shift[:, None], out=self.scratch.get("y", rows, n_valid, acc))
         else:
-            shifted = y.sub_(m_row[:, None])
-        exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc)).mul_(kept)
+            shifted = y.sub_(shift[:, None])
+        if exps is None:
+            exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
+        exps.mul_(kept)
         out[:, 1] = exps.sum(dim=-1)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN
         out[:, 2] = exps.mul_(shifted).sum(dim=-1)
@@ -267,7 +283,7 @@ class TorchKernels:
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
                 reuse = False
-                partials = self._partials_kept(x, labels, math, keep_min=keep_min, **flags)
+                partials = self._partials_kept(x, labels, math, keep_min=keep_min, kept_exps=None, **flags)
             else:
                 partials = self._partials(x, labels, math, keep_exps=reuse, **flags)
         result, coef, lse, *rest = finish(partials)

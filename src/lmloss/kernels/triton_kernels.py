@@ -171,19 +171,25 @@ def _edge_cols(j, head, n_main):
 # first aligned column, so its loads are 16 bytes wide whatever the width and row stride.
 @triton.jit
 def _softmax_partials_kernel(
-    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale,
+    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
+    KEEP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_start = row * x_row_stride
     x_row = x_ptr + row_start
+    keep = -float("inf")
+    if KEEP:  # the row's kept set is y >= keep (lmloss.sampling); the rest is treated as padding
+        keep = tl.load(keep_ptr + row)
     target = 0.0
     if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
         y_t, th_t = _transform(tl.load(x_row + local, mask=owned, other=0.0), scale, inv_cap, cap_scale,
                             SCALE, SOFTCAP, FAST)  # fmt: skip
+        if KEEP:
+            y_t = tl.where(y_t >= keep, y_t, -float("inf"))
         target = tl.where(owned, y_t, 0.0)
     head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
@@ -194,15 +200,21 @@ def _softmax_partials_kernel(
     sum_y = tl.zeros([BLOCK_V], tl.float32)
     for k in range(0, n_main, BLOCK_V):
         y, _ = _transform(tl.load(x_main + k + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
-        if SUM_LOGITS:
+        if KEEP:
+            if SUM_LOGITS:
+                sum_y += tl.where(y >= keep, y, 0.0)
+            y = tl.where(y >= keep, y, -float("inf"))
+        elif SUM_LOGITS:
             sum_y += y
+        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         mask = j < n_edge
         x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
         y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        if KEEP:
+            mask = mask & (y >= keep)
         y = tl.where(mask, y, -float("inf"))
         m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
         if SUM_LOGITS:
@@ -244,9 +256,9 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constex
 @triton.jit
 def _softmax_grad_kernel(
     x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, lse_ptr, entropy_ptr, coef_ptr,
-    n_cols, valid, vocab_start, scale, inv_cap, cap_scale,
+    n_cols, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
-    ALIGN: tl.constexpr, FAST: tl.constexpr,
+    ALIGN: tl.constexpr, FAST: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -277,10 +289,15 @@ def _softmax_grad_kernel(
     if LABELS:  # compared in 32 bits; a label outside [0, valid) matches no column
         local = tl.load(labels_ptr + row) - vocab_start
         label = tl.where((local >= 0) & (local < valid), local, -1).to(tl.int32)
+    keep = -float("inf")
+    if KEEP:  # columns with y < keep are outside the row's kept set: gradient exactly 0
+        keep = tl.load(keep_ptr + row)
     offs = tl.arange(0, BLOCK_V)
     for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
         y, th = _transform(tl.load(x_main + kb + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+        if KEEP:
+            g = tl.where(y >= keep, g, 0.0)
         tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
     if split == 0:
         n_edge = n_cols - n_main
@@ -291,6 +308,8 @@ def _softmax_grad_kernel(
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
             y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+            if KEEP:
+                in_vocab = in_vocab & (y >= keep)
             g = tl.where(in_vocab, tl.where(live, g, 0.0), 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge)
 
@@ -460,6 +479,7 @@ def softmax_partials(
     target: bool,
     sum_logits: bool,
     block_v: int | None = None,
+    keep_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row softmax partials of a chunk over this shard's valid columns.
 
@@ -470,6 +490,8 @@ def softmax_partials(
         math: vocabulary range of the shard, scale (1 / temperature) and softcap.
         entropy, target, sum_logits: compute columns 2, 3, 4 (else they are 0).
         block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
+        keep_min: ``[c]`` fp32 per-row threshold of the kept set (`lmloss.kernels`): columns with
+            ``y < keep_min`` count as padding (a dropped label's target is -inf); None for all columns.
 
     Returns:
         fp32 ``[c, 5]``: (max y, sum exp(y - max), sum exp(y - max) * (y - max), y at the label if this shard
@@ -483,6 +505,8 @@ def softmax_partials(
         if labels is None:
             raise ValueError("labels is required when target=True")
         labels = _row_vector("labels", labels, rows, _INTS)
+    if keep_min is not None:
+        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
     out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
@@ -491,8 +515,8 @@ def softmax_partials(
     with _device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
-            ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits, BLOCK_V=block, ALIGN=alignment(x),
-            num_warps=warps, **flags,
+            out if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
+            BLOCK_V=block, ALIGN=alignment(x), KEEP=keep_min is not None, num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -508,6 +532,7 @@ def softmax_grad_(
     *,
     block_v: int | None = None,
     splits: int | None = None,
+    keep_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``d loss / d x`` of a chunk into ``out`` and return it.
 
@@ -527,6 +552,8 @@ def softmax_grad_(
         block_v: vocabulary block override (a power of 2); default from ``BACKWARD_BLOCKS``.
         splits: programs per row (each walks every splits-th block); default: 1, or more when the chunk has
             too few rows to fill the GPU.
+        keep_min: ``[c]`` fp32 kept-set thresholds (as in ``softmax_partials``): columns with
+            ``y < keep_min`` get exactly 0; None for all columns.
     """
     _check_rows("x", x, _FLOATS)
     _check_rows("out", out, _FLOATS)
@@ -543,6 +570,8 @@ def softmax_grad_(
         entropy = _row_vector("entropy", entropy, rows, (torch.float32,))
     if labels is not None:
         labels = _row_vector("labels", labels, rows, _INTS)
+    if keep_min is not None:
+        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
     block, warps = _block(n_cols, BACKWARD_BLOCKS, block_v)
     if rows == 0 or n_cols == 0:
         return out
@@ -553,8 +582,8 @@ def softmax_grad_(
         _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
             lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start, *values,
-            ENTROPY=entropy is not None, LABELS=labels is not None, BLOCK_V=block, ALIGN=alignment(x, out),
-            num_warps=warps, **flags,
+            lse if keep_min is None else keep_min, ENTROPY=entropy is not None, LABELS=labels is not None,
+            BLOCK_V=block, ALIGN=alignment(x, out), KEEP=keep_min is not None, num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -679,17 +708,23 @@ class TritonKernels:
 
     name = "triton"
 
-    def softmax_partials(self, x, labels, math, *, entropy, target, sum_logits, overwrite=False):
-        return softmax_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits)
+    def softmax_partials(
+        self, x, labels, math, *, entropy, target, sum_logits, overwrite=False, keep_min=None, kept_exps=None
+    ):
+        """`kept_exps` (the threshold search's exps) is not used: the kernel's one pass makes its own."""
+        return softmax_partials(
+            x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min
+        )
 
-    def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True):
-        return softmax_grad_(x, labels, lse, entropy, coef, math, out)
+    def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
+        return softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
 
-    def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True):
+    def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True, keep_min=None):
         """Partials, then ``finish(partials) -> (result, coef, lse[, entropy])`` (TP combine, output math),
         then the gradient into `out` (which may be `x`). Returns ``(result, out)``."""
-        result, coef, lse, *rest = finish(softmax_partials(x, labels, math, **flags))
-        return result, softmax_grad_(x, labels, lse, rest[0] if rest else None, coef, math, out)
+        result, coef, lse, *rest = finish(softmax_partials(x, labels, math, **flags, keep_min=keep_min))
+        entropy = rest[0] if rest else None
+        return result, softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
 
     def loss_and_grad_(
         self, x, labels, math, *, ignore_index, label_smoothing, z_loss, vocab_size, out, grad_scale=None
