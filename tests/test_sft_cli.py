@@ -84,7 +84,19 @@ def test_used_out_is_refused_and_overwrite_starts_afresh_with_its_own_tokenizer(
     assert code == 2 and "is not empty (thesis.tex): pass a new or empty directory" in err
 
 
-def test_ctrl_c_prints_one_line_with_the_resume_hint_and_resuming_finishes(tmp_path, capfd, monkeypatch):
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler for the test, as a process started from a terminal has it: a shell that
+    starts a job in the background without job control (``cmd &`` in a script, as CI may) hands it SIGINT
+    ignored, and a Ctrl-C then never reaches the command."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_prints_one_line_with_the_resume_hint_and_resuming_finishes(
+    tmp_path, capfd, monkeypatch, python_sigint_handler
+):
     out = tmp_path / "run"
     run_step = Trainer.run_step
 
