@@ -6,7 +6,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Stamps, named by pyproject.toml's checksum: the venv with torch; then the `dev` + `sft` extras for the tests,
+# or only `sft` for the demo (a first `make demo` does not wait for the test tools: triton, megatron, trl...).
+PYPROJECT_SUM := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+BASE_STAMP := $(VENV)/.torch-$(PYPROJECT_SUM)
+STAMP := $(VENV)/.installed-dev-$(PYPROJECT_SUM)
+DEMO_STAMP := $(VENV)/.installed-sft-$(PYPROJECT_SUM)
 # The CPU build, from PyTorch's CPU index (PyPI's Linux torch is the CUDA build). Elsewhere (macOS, or an
 # offline mirror) override both, e.g. `make TORCH_PIN=torch==2.13.0 TORCH_INDEX= venv`.
 TORCH_PIN ?= torch==2.13.0+cpu
@@ -17,7 +22,7 @@ TORCH_CONSTRAINT := $(VENV)/torch-constraint.txt
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "torch found in $(PYTHON): the venv reuses it"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
@@ -26,13 +31,20 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \
 	fi
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_CONSTRAINT)
+	@rm -f $(VENV)/.torch-* $(VENV)/.installed-*; touch $@
+
+$(STAMP): $(BASE_STAMP)
 	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e ".[dev,sft]"
-	@rm -f $(VENV)/.installed-*; touch $@
+	@touch $@ $(DEMO_STAMP)
+
+$(DEMO_STAMP): $(BASE_STAMP)
+	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e ".[sft]"
+	@touch $@
 
 test: venv
 	LMLOSS_FULL_MEMORY_TEST=1 $(PY) -m pytest -q tests
 
-demo: venv
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/lmloss sft --nproc 2 --cp 2 --head-memory-vocab 151936 --out runs/demo --overwrite
 
 lint: venv
