@@ -21,3 +21,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory):
+    """`lmloss sft` command-line tests (tests/sft_support.py): every run of the module on 300 records of the
+    embedded task set (tokenizing all 3,000 costs each run half a second), without drawing loss.png
+    (matplotlib: most of a short run's time)."""
+    from lmloss.sft import report, tasks
+    from sft_support import SMALL_DATA
+
+    path = tmp_path_factory.mktemp("data") / "tasks.jsonl"
+    tasks.write_jsonl(tasks.generate(300), path)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(report, "plot_loss", lambda *args: None)
+    SMALL_DATA[:] = ["--data", str(path)]
+    yield
+    SMALL_DATA.clear()
+    patch.undo()

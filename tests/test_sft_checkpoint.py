@@ -19,24 +19,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from lmloss.sft import cli, report, tasks  # noqa: E402
+from lmloss.sft import cli  # noqa: E402
+from sft_support import SMALL_DATA  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "small_runs")
-SMALL_DATA: list[str] = []  # ["--data", path]: set by `small_runs`
-
-
-@pytest.fixture(scope="module")
-def small_runs(tmp_path_factory):
-    """Every run here on 300 records of the embedded task set (tokenizing all 3,000 costs each run half a
-    second), without drawing loss.png (matplotlib: most of a short run's time)."""
-    path = tmp_path_factory.mktemp("data") / "tasks.jsonl"
-    tasks.write_jsonl(tasks.generate(300), path)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(report, "plot_loss", lambda *args: None)
-    SMALL_DATA[:] = ["--data", str(path)]
-    yield
-    SMALL_DATA.clear()
-    patch.undo()
 
 
 STEPS, LR, MIN_LR_RATIO, WARMUP = 6, 1e-2, 0.1, 2
