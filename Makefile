@@ -1,5 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
-# Where the system Python already has torch (a GPU machine), the venv sees it and keeps it;
+# Where the system Python already has torch (a GPU machine), the venv sees it and keeps it (also where that
+# Python is itself a venv, as on GPU images: --system-site-packages alone would reach only its base
+# interpreter's packages, so a .pth file adds its own site-packages);
 # otherwise the CPU build is installed pinned, never an unpinned torch (that would pull CUDA wheels).
 # Either way every later install is constrained to the torch the venv then has, so no extra's dependency
 # (megatron-core, transformers...) can upgrade it to another (CUDA) build.
@@ -25,7 +27,9 @@ venv: $(STAMP)
 $(BASE_STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "torch found in $(PYTHON): the venv reuses it"; \
-	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PYTHON) -m venv --system-site-packages $(VENV) && \
+	  $(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_lmloss_parent_site.pth"; \
 	else \
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(PY) -m pip install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \

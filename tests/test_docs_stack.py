@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lmloss.distributed import free_port
@@ -91,8 +92,9 @@ def block_errors() -> dict[int, str | None]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
         # Fork, unless this process holds a process group (another test may have started one): a forked
-        # copy of live gloo state crashes. Spawning costs the imports again, but always works.
-        method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
+        # copy of live gloo state crashes; or CUDA is available: a forked child cannot run a backward once
+        # this process has (autograd's device threads). Spawning costs the imports again, but always works.
+        method = "spawn" if (dist.is_available() and dist.is_initialized()) or torch.cuda.is_available() else "fork"
         child = multiprocessing.get_context(method).Process(
             target=_run_blocks, args=([BLOCKS[i][1] for i in runnable], out_path)
         )

@@ -22,6 +22,7 @@ from lmloss.kernels.triton_kernels import (  # noqa: E402
     TritonKernels,
     cross_entropy_loss_and_grad_,
     scale_by_device_scalar_,
+    scaled_cast_by_device_scalar,
 )
 
 DEVICE = kernel_test_device()
@@ -215,3 +216,20 @@ def test_scale_by_device_scalar(dtype):
     torch.testing.assert_close(unit, kept, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="contiguous"):
         scale_by_device_scalar_(t.t(), torch.tensor(0.5, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_cast_rounds_the_fp32_product_once(dtype):
+    """``(src * factor).to(dtype)`` with the factor read on the device: on a GPU every element is the fp32
+    product rounded once to nearest-even, bit for bit PyTorch's fp32 multiply then cast; NaN and inf carried;
+    a length no block divides. Triton's interpreter truncates fp32 -> bf16 / fp16 casts whatever the rounding
+    mode asked for, so there the elements are within one ulp of the dtype."""
+    src = torch.randn(3, 1001, generator=torch.Generator().manual_seed(1)) * 100
+    src[0, 0], src[1, 1], src[2, 2] = NAN, INF, -INF
+    factor = torch.tensor(0.3)
+    out = scaled_cast_by_device_scalar(src.to(DEVICE), factor.to(DEVICE), dtype)
+    assert out.dtype == dtype and out.shape == src.shape
+    ulp = 0.0 if DEVICE == "cuda" else torch.finfo(dtype).eps
+    torch.testing.assert_close(out.cpu(), (src * factor).to(dtype), rtol=ulp, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        scaled_cast_by_device_scalar(src.t().to(DEVICE), factor.to(DEVICE), dtype)

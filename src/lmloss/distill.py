@@ -463,13 +463,14 @@ def distillation_loss(
 
 
 def _sources(hidden, weight, t_hidden, t_weight, plan: LossPlan, opts: dict):
-    """The student's chunk source (fp32 scratch chunks the kernels may overwrite) and the teacher's (its
-    own scratch buffers, in the teacher's dtype)."""
+    """The student's chunk source (scratch chunks the kernels may overwrite) and the teacher's (its own
+    scratch buffers, in the teacher's dtype: the kernels read either dtype and compute in fp32, and the
+    matmul has already rounded the teacher's logits to that dtype, so an fp32 copy would only add a pass)."""
     student = _HiddenRows(hidden, weight, None, _pass_scratch(plan, hidden), opts["chunk_dtype"])
     if t_hidden is None:
         return student, None
     t_scratch = ChunkScratch(student.scratch.rows, plan.shard.size, t_hidden.device)
-    teacher = _HiddenRows(t_hidden, t_weight, None, t_scratch, compute_dtype(t_weight.dtype))
+    teacher = _HiddenRows(t_hidden, t_weight, None, t_scratch, t_weight.dtype)
     return student, teacher
 
 

@@ -173,7 +173,10 @@ def _run_forked_ranks(fn, world_size, *args):
     """`dist_utils.run_ranks`, with forked instead of spawned processes (they inherit the imports).
 
     `_entry` sets one intra-op thread first: a forked child must not enter the parent's OpenMP pool."""
-    if dist.is_initialized():  # a forked copy of this process's live gloo state would crash: spawn
+    # spawn where a forked copy would break: this process's live gloo state; or, where CUDA is available,
+    # autograd's device threads, which a backward in this process starts and a forked child cannot use
+    # ("Unable to handle autograd's threading in combination with fork-based multiprocessing", on an H200)
+    if dist.is_initialized() or torch.cuda.is_available():
         return run_ranks(fn, world_size, *args)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(

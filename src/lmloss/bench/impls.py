@@ -270,7 +270,10 @@ class _ModelOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.sink["logits"] = grad
+        # detached: the in-place gradient is the forward's output itself, whose grad_fn is this node, and
+        # holding it through ctx would make a cycle through the autograd graph that gc cannot free (every
+        # tracked run of an in-place row then kept a [T, V] tensor alive for the rest of the case)
+        ctx.sink["logits"] = grad.detach()
         return None, None, None
 
 
@@ -284,14 +287,20 @@ def _as_model_output(inputs: Inputs) -> Inputs:
 
 def _inplace_logits(chunk: int | None, kernel: dict) -> Step:
     def step(x: Inputs) -> torch.Tensor:
-        # negated: the objective is the summed log-probs, like naive's
-        loss = -lmloss.cross_entropy(
+        # loss.backward() as a training step calls it (an upstream of 1.0: the backward moves no bytes);
+        # the objective is the summed log-probs, like naive's, so the loss returned and the gradient read
+        # (`_inplace_gradient`, outside the timed region) are negated
+        loss = lmloss.cross_entropy(
             x.logits, x.labels, chunk_size=chunk, reduction="sum", inplace_backward=True, **kernel
         )
         loss.backward()
-        return loss.detach()
+        return -loss.detach()
 
     return step
+
+
+def _inplace_gradient(x: Inputs) -> dict[str, torch.Tensor]:
+    return {"logits": -x.sink["logits"]}
 
 
 _MEGATRON_STATE: dict[str, object] = {}
@@ -774,7 +783,7 @@ def build_impls(
                 lmloss_rows(name, "token_logprobs", _chunked_logits, "logprobs", traffic=3)
             elif name == "inplace":
                 lmloss_rows(name, "cross_entropy", _inplace_logits, "logprobs",
-                            traffic=2, prepare=_as_model_output, grads_of=lambda x: dict(x.sink))  # fmt: skip
+                            traffic=2, prepare=_as_model_output, grads_of=_inplace_gradient)  # fmt: skip
             elif name == "naive-entropy":
                 out.append(Impl(name, "-", _naive_logits_entropy, is_reference=True, objective="logprobs+entropy",
                                 traffic=3))  # fmt: skip

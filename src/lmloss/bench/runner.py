@@ -170,6 +170,19 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _allocated(device: str) -> int | None:
+    """Bytes the CUDA caching allocator holds for live tensors; None off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.startswith("cuda") else None
+
+
+#: A row (other than a naive reference, whose outcome is kept on purpose for the checks) whose tracked run
+#: leaves more than this fraction of the case's input bytes allocated (CUDA) is noted: it would shrink every
+#: later row's memory, and a sweep of rows that each leave a [T, V] tensor behind runs out of memory (as
+#: the in-place rows' stand-in for an LM head once did on an H200). Smaller remnants are the bench's own
+#: per-case caches (the sampled labels and kept sets, the distillation teacher).
+LEFT_ALLOCATED_NOTE_FRACTION = 0.125
+
+
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |got - ref| / max |ref|``: one number per tensor, insensitive to its scale.
 
@@ -368,6 +381,7 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
         if impl.step is None:
             row.status, row.note = "skipped", impl.unavailable or "unavailable"
         else:
+            allocated_before = _allocated(case.device)
             try:
                 delta, outcome = _tracked_run(impl, inputs, case, config.max_memory_mib)
                 row.delta_mib = delta / MiB
@@ -388,6 +402,11 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
                 else:
                     row.status, row.note = "error", f"{type(err).__name__}: {err}"
             _free(case.device)
+            left = _allocated(case.device)
+            if left is not None and allocated_before is not None and not impl.is_reference:
+                left -= allocated_before
+                if left > LEFT_ALLOCATED_NOTE_FRACTION * inputs.nbytes:
+                    _append_note(row, f"left {left / MiB:.0f} MiB allocated after its run")
         if _wrote_into(inputs, versions):
             # An in-place write the impl did not declare: later impls must not see it, and its own timed runs
             # get copies, so say so and start again from clean inputs.

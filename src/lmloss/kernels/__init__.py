@@ -174,6 +174,14 @@ def scaled_cast(t: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype
         return t.to(dtype)
     if t.dtype == dtype:
         return scale_(t, factor)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if (
+        t.device.type == "cuda" and factor.device == t.device and triton_available() and t.is_contiguous()
+        and t.dtype in floats and dtype in floats
+    ):  # fmt: skip
+        from lmloss.kernels.triton_kernels import scaled_cast_by_device_scalar
+
+        return scaled_cast_by_device_scalar(t, factor, dtype)
     # mul with out= of a narrower float dtype computes in t's precision and rounds once on the store
     return torch.mul(t, factor, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 

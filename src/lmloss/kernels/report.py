@@ -181,7 +181,7 @@ def kernel_rows(
             dict(flags, ENTROPY=on, LABELS=True, KEEP=False),
         ),
         "cross_entropy_loss_and_grad": (
-            tk._cross_entropy_loss_grad_kernel, tk.FORWARD_BLOCKS, width,
+            tk._cross_entropy_loss_grad_kernel, tk.FORWARD_BLOCKS if on else tk.CROSS_ENTROPY_BLOCKS, width,
             {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
              "labels_ptr": "*i64", "res_ptr": "*fp32", "grad_scale_ptr": "*fp32", "n_rows": i32, "n_cols": i32,
              "valid": i32, "ignore_index": i32, **math, "eps": f32, "z_loss": f32, "inv_vocab": f32},

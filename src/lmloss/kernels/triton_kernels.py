@@ -12,7 +12,8 @@ Same contract as ``lmloss.kernels.torch_ref``; see ``lmloss.kernels`` for ``Chun
   chunk has too few rows to fill the GPU), reading each block once and writing its gradient once, which is
   what makes ``out is x`` (the in-place mode) safe.
 - ``cross_entropy_loss_and_grad_``: the single-process scalar-loss path in one kernel, on a persistent grid of
-  one program per SM. A program reads a row for its log-sum-exp and loss (keeping it in L2: evict_last),
+  a few programs per SM (`CROSS_ENTROPY_PROGRAMS_PER_SM`, measured). A program reads a row for its
+  log-sum-exp and loss (asking L2 to keep it: evict_last),
   then walks it back from where it ended (evict_first) writing ``d loss / d x``: one read from memory and
   one write where the two-kernel path reads twice. The gradient comes out times ``grad_scale`` (a device
   scalar: the mean's ``1 / count``).
@@ -43,10 +44,12 @@ __all__ = [
     "softmax_grad_",
     "cross_entropy_loss_and_grad_",
     "block_config",
+    "cross_entropy_config",
     "FORWARD_BLOCKS",
     "BACKWARD_BLOCKS",
     "TritonKernels",
     "scale_by_device_scalar_",
+    "scaled_cast_by_device_scalar",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
@@ -60,6 +63,22 @@ FORWARD_BLOCKS: tuple[tuple[float, int, int], ...] = (
     (float("inf"), 8192, 16),
 )
 BACKWARD_BLOCKS: tuple[tuple[float, int, int], ...] = ((1024, 1024, 4), (float("inf"), 4096, 8))
+#: The one-kernel loss (`cross_entropy_loss_and_grad_`): its blocks, and how many programs of its persistent
+#: grid share an SM (the rows in flight: that many per SM). Chosen on an H200 among 11 configurations timed
+#: side by side (tools/gpu_tune.py, docs/gpu.md): in place over [32768, 128256] bf16 in chunks of 1024 rows,
+#: 4096 columns at 8 warps with 3 rows per SM took 7.97 ms (3.16 TB/s counting two reads and a write), the
+#: former 8192 at 16 warps with one row per SM 8.66 ms; one 8192-row chunk 1.87 ms against 2.16.
+#: With softcap the kernel needs more registers (the accurate tanh): at 4096 / 8 warps it spilled (static
+#: report, sm_90), so it keeps the forward's blocks and one row per SM.
+CROSS_ENTROPY_BLOCKS: tuple[tuple[float, int, int], ...] = ((1024, 1024, 4), (8192, 4096, 8), (float("inf"), 4096, 8))
+CROSS_ENTROPY_PROGRAMS_PER_SM = 3
+
+
+def cross_entropy_config(n_cols: int, softcap: bool) -> tuple[int, int, int]:
+    """``(BLOCK_V, num_warps, programs per SM)`` of the one-kernel loss for rows of `n_cols` columns."""
+    if softcap:
+        return (*block_config(n_cols, FORWARD_BLOCKS), 1)
+    return (*block_config(n_cols, CROSS_ENTROPY_BLOCKS), CROSS_ENTROPY_PROGRAMS_PER_SM)
 _MIN_BLOCK = 16
 
 
@@ -75,10 +94,10 @@ _LOG2E = 1.4426950408889634
 _FLT_MAX = 3.4028234663852886e38
 
 
-# Hardware forms on the GPU (FAST, a constexpr the wrappers set for CUDA tensors): one MUFU instruction each,
-# ex2 flushing denormal results to zero (the non-ftz ex2 costs four more instructions to rescale them) and
-# tanh.approx (relative error about 2^-11, below bf16's half ulp of 2^-9). The interpreter, which tests these
-# kernels on the CPU, cannot run PTX: there they are written with tl.exp2 and exp.
+# Hardware form on the GPU (FAST, a constexpr the wrappers set for CUDA tensors): ex2 is one MUFU instruction,
+# flushing denormal results to zero (the non-ftz ex2 costs four more instructions to rescale them); its
+# relative error (about 2^-22) is far below fp32's rounding of the sums it feeds. The interpreter, which
+# tests these kernels on the CPU, cannot run PTX: there it is tl.exp2.
 @triton.jit
 def _exp2(x, FAST: tl.constexpr):
     if FAST:
@@ -91,19 +110,18 @@ def _exp2(x, FAST: tl.constexpr):
 
 @triton.jit
 def _tanh(z, FAST: tl.constexpr):
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        # (1 - e) / (1 + e) with e = exp(-2|z|) loses relative accuracy as z -> 0, so small |z| take the odd
-        # Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8.
-        az = tl.abs(z)
-        e = tl.exp(-2.0 * az)
-        z2 = z * z
-        series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
-        th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
-        return tl.where(z < 0.0, -th, th)
+    # Not the hardware tanh.approx: its relative error of about 2^-11 is 0.01 on a softcapped logit of 20
+    # (cap 30), a log-prob error the sampler (exact tanh) does not make; on an H200 it put fp32 outputs up to
+    # 1e-4 off float64 where the tests allow 1e-5 relative. (1 - e) / (1 + e) with e = exp(-2|z|) is a few
+    # ulps from tanh, but 1 - e cancels as z -> 0 (it magnifies ex2's own error), so small |z| take the odd
+    # Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8. The softcap path costs
+    # about 10 more instructions per element than tanh.approx did (the static report, --all-options).
+    az = tl.abs(z)
+    e = _exp2(az * -2.8853900817779268, FAST)  # exp(-2|z|) = 2^(-2 log2(e) |z|)
+    z2 = z * z
+    series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
+    th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
+    return tl.where(z < 0.0, -th, th)
 
 
 @triton.jit
@@ -601,6 +619,7 @@ def cross_entropy_loss_and_grad_(
     grad_scale: torch.Tensor | None = None,
     block_v: int | None = None,
     programs: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Per-row cross-entropy of a chunk and, in the same kernel, the gradient of their sum (times
     `grad_scale`) written into `out`.
@@ -622,9 +641,9 @@ def cross_entropy_loss_and_grad_(
             program reads all of it before writing any, then reads each block before overwriting it).
         grad_scale: one-element fp32 tensor on x's device multiplying the gradient (``1 / count`` for a mean,
             read by the kernel: no host sync); None for 1.
-        block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
-        programs: size of the persistent grid (each program walks rows p, p + programs, ...); default one per
-            SM on CUDA, so that the rows in flight fit in L2 and the second pass re-reads its row from there.
+        block_v, num_warps: overrides of `cross_entropy_config`'s (block_v a power of 2).
+        programs: size of the persistent grid (each program walks rows p, p + programs, ...); default
+            `cross_entropy_config`'s programs per SM on CUDA.
 
     Returns:
         fp32 ``[c, 2]``: (lse, loss) per row, both 0 for ignored rows.
@@ -654,9 +673,12 @@ def cross_entropy_loss_and_grad_(
     res = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
     if rows == 0:
         return res
-    block, warps = _block(n_cols, FORWARD_BLOCKS, block_v)
+    block, warps, per_sm = cross_entropy_config(n_cols, bool(math.softcap))
+    if block_v is not None:
+        block = _block(n_cols, CROSS_ENTROPY_BLOCKS, block_v)[0]
+    warps = num_warps or warps
     if programs is None:
-        programs = _programs(x.device) // 4  # one row per SM in flight: 132 rows of 128256 bf16 are 34 MB < L2
+        programs = _programs(x.device) // 4 * per_sm
     values, flags = _math_args(math, x)
     with _device_guard(x):
         _cross_entropy_loss_grad_kernel[(max(1, min(rows, programs)),)](
@@ -697,6 +719,38 @@ def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tens
             grid = min(triton.cdiv(n, block), _programs(t.device))
             _scale_kernel[(grid,)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
     return t
+
+
+# Contract: dst[i] = src[i] * factor for i < n, computed in fp32 and rounded once to dst's dtype; factor read on
+# the device. One read of src, one write of dst: the fp32 weight-gradient accumulator becomes the weight's
+# bf16 gradient in one pass (PyTorch's mixed-dtype mul with out= takes a non-vectorized path, ~3x slower
+# on an H200 for [128256, 4096]).
+@triton.jit
+def _scaled_cast_kernel(src_ptr, dst_ptr, n, factor_ptr, BLOCK: tl.constexpr):
+    f = tl.load(factor_ptr).to(tl.float32)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        t = tl.load(src_ptr + offs, mask=mask, eviction_policy="evict_first")
+        tl.store(dst_ptr + offs, (t.to(tl.float32) * f).to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def scaled_cast_by_device_scalar(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(src * factor).to(dtype)`` for a contiguous float `src` and a 0-d `factor` on its device, in one
+    pass and with no host sync (the product in fp32, rounded once). Returns a new contiguous tensor."""
+    if not src.is_contiguous() or src.dtype not in _FLOATS or dtype not in _FLOATS:
+        raise ValueError(f"src must be contiguous, src and dtype in {_FLOATS}; got {src.dtype} -> {dtype}")
+    if factor.numel() != 1 or factor.device != src.device:
+        raise ValueError(f"factor must be one element on {src.device}, got {tuple(factor.shape)} on {factor.device}")
+    dst = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    if n:
+        block = 4096
+        with _device_guard(src):
+            grid = min(triton.cdiv(n, block), _programs(src.device))
+            _scaled_cast_kernel[(grid,)](src, dst, n, factor.reshape(()), BLOCK=block, num_warps=8)
+    return dst
 
 
 class TritonKernels:
