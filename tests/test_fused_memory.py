@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
-from lmloss.fused import auto_chunk_size
+from lmloss.chunks import auto_chunk_size
 from lmloss.profiling import peak_memory
 
 MiB = 1024**2

@@ -255,7 +255,6 @@ def test_the_dense_fallback_solves_rows_whose_histogram_crossing_was_misplaced(m
         (dict(min_p=1.01), "min_p"),
         (dict(min_p=torch.tensor([0.1, 0.2])), "min_p"),
         (dict(return_log_kept_mass=True), "return_log_kept_mass"),
-        (dict(top_k=5, softcap=30.0, impl="triton"), "impl"),
         (dict(top_k=5, support=torch.zeros(4, 2, dtype=torch.long)), "support"),
     ],
 )
@@ -270,14 +269,20 @@ def test_cross_entropy_style_summed_loss_does_not_take_sampling_arguments():
         lmloss.cross_entropy(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), top_k=2)
 
 
-def test_softcap_and_temperature_come_before_the_truncation():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_softcap_and_temperature_come_before_the_truncation(impl):
+    """Both implementations (Triton under its interpreter here): the kept set is found on the PyTorch values
+    of ``softcap(x) / T`` and handed to the kernels as a threshold on the logits, so it is the same set
+    however each implementation's tanh rounds."""
+    if impl == "triton":
+        pytest.importorskip("triton", reason="the Triton kernels need triton installed")
     n, v, cap, t = 8, 300, 4.0, 0.5
     logits = make_logits(n, v, seed=10)
     y = cap * torch.tanh(logits.double() / cap) / t
     kept = vllm_kept(y, top_p=per_row(0.8, n), min_p=per_row(0.02, n))
     labels = torch.multinomial(kept.double(), 1, generator=torch.Generator().manual_seed(1)).squeeze(1)
     x = logits.clone().requires_grad_()
-    lp = lmloss.token_logprobs(x, labels, softcap=cap, temperature=t, top_p=0.8, min_p=0.02)
+    lp = lmloss.token_logprobs(x, labels, softcap=cap, temperature=t, top_p=0.8, min_p=0.02, impl=impl)
     lp.sum().backward()
     xr = logits.double().requires_grad_()
     ref = (cap * torch.tanh(xr / cap) / t).masked_fill(~kept, -INF).log_softmax(-1)
@@ -286,3 +291,20 @@ def test_softcap_and_temperature_come_before_the_truncation():
         lp.double(), ref.gather(1, labels[:, None]).squeeze(1).detach(), rtol=1e-5, atol=1e-5
     )
     torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_the_top_k_boundary_token_stays_kept_under_softcap(impl):
+    """The k-th largest token is exactly at the top-k threshold: with softcap it must stay in its own kept
+    set on either implementation (a threshold compared with each kernel's own tanh could drop it)."""
+    if impl == "triton":
+        pytest.importorskip("triton", reason="the Triton kernels need triton installed")
+    n, v, k, cap = 16, 257, 7, 3.0
+    logits = make_logits(n, v, seed=12) * 1.5  # within tanh's range: no ties in fp32 among the top k
+    labels = logits.topk(k, dim=1).indices[:, -1]  # each row's k-th largest: the boundary
+    lp = lmloss.token_logprobs(logits, labels, softcap=cap, temperature=0.7, top_k=k, impl=impl)
+    y = (cap * torch.tanh(logits.double() / cap) / 0.7)
+    kept = y >= y.topk(k, dim=1).values[:, -1:]
+    ref = y.masked_fill(~kept, -INF).log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+    assert torch.isfinite(lp).all()
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)

@@ -12,10 +12,10 @@ the softmaxes of ``student / temperature`` and ``teacher / temperature`` over th
 The teacher is detached: gradients flow to the student only (its logits, or its hidden states and head
 weight). No ``temperature ** 2`` factor is applied (TRL applies none either).
 
-The data's path is the plan (`lmloss.plan.make_plan`, rank agreement included) and its chunking, with two
-chunk sources (student, teacher) instead of one, walked by `distill_pass`: a loop of its own beside
-`lmloss.plan.forward_pass` (two sources and a second reduction per chunk do not fit that loop's kernel
-calls; the sources, gradient sinks, TP combine and reductions are the shared ones). Per chunk of tokens:
+The data's path is the plan (`lmloss.plan.make_plan`, rank agreement included: the options, and the sparse
+teacher's ids and log-probs by fingerprint) and its one chunk loop, with the student's head as the chunk
+source and the two-distribution objective (`lmloss.objectives.DivergenceObjective`) reading the
+teacher's chunks from a second source. Per chunk of tokens:
 
 1. the softmax statistics of both distributions (`softmax_partials`, the single-distribution kernels),
    combined over the TP group in ONE MAX and ONE SUM for both (`combine_partials` over the stacked rows);
@@ -24,8 +24,10 @@ calls; the sources, gradient sinks, TP combine and reductions are the shared one
 3. with a gradient sink, the student's gradient from the same elementwise terms (no collective).
 
 Three collectives per chunk in all. In one process with no padded columns the PyTorch kernels skip step 1
-(each row's own log-softmax). With a sparse teacher (`teacher_topk`) step 2 is replaced by a gather
-of the student's logits at the teacher's ids (each TP rank contributes the ids of its shard) and one SUM.
+(each row's own log-softmax). With a sparse teacher (`teacher_topk`, `SparseTeacherObjective`) step 2 is
+replaced by a gather of the student's logits at the teacher's ids (each TP rank contributes the ids of its
+shard) and one SUM. A per-token op's backward saves both log-sum-exps and the divergence's row sums in
+the forward and needs no collective.
 
 Peak memory (PyTorch kernels): per chunk, three chunk-sized buffers in the compute dtype (the two
 log-softmaxes and one work term; a fourth for the JSD), whether from logits (scratch buffers) or fused (the
@@ -35,19 +37,19 @@ log-softmaxes are written over the two heads' fp32 chunks); ``chunk_size="auto"`
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 from lmloss import _validate
-from lmloss._autograd import once_differentiable
-from lmloss.fused import _Accumulators, _HiddenRows, _pass_scratch, _prepare, auto_chunk_size
-from lmloss.kernels import compute_dtype, make_distill_kernels
-from lmloss.kernels.torch_ref import ChunkScratch
-from lmloss.logits import _BufferSink, _rows_of, reduce_loss
-from lmloss.plan import LossPlan, make_plan
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, combine_partials, gather_rows, world_size
+from lmloss.chunks import HiddenRows, LogitRows, LogitsHead, auto_chunk_size
+from lmloss.functions import Op, PerTokenLoss, SummedLoss
+from lmloss.fused import prepare
+from lmloss.kernels import ChunkScratch, compute_dtype
+from lmloss.logits import reduce_loss
+from lmloss.objectives import DivergenceObjective, DivergenceSpec, SparseTeacherObjective
+from lmloss.plan import make_plan
+from lmloss.vocab_parallel import ProcessGroup, errors_raised_on_every_rank, gather_rows
 
 #: Teacher top-k probabilities may sum above 1 by this much (an engine's rounding) before it is an error.
 TOPK_MASS_TOLERANCE = 1e-3
@@ -61,167 +63,6 @@ def bytes_per_logit(dtype: torch.dtype, beta: float, *, fused: bool) -> int:
     element = compute_dtype(dtype).itemsize
     low_precision = fused and dtype not in (torch.float32, torch.float64)
     return buffers * element + (2 * dtype.itemsize if low_precision else 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class DistillSpec:
-    """What the divergence is, beside the `LossPlan`: `beta`, and for a sparse teacher `tail`."""
-
-    beta: float
-    sparse: bool = False
-    tail: bool = True
-
-
-# ----------------------------------------------------------------------------------------------------------
-# per-row math on [c] vectors (cheap; the same for both implementations)
-
-
-def divergence_rows(partials: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global per-row sums ``[c, 2]`` (`lmloss.kernels` contract) -> (loss ``[c]``, ``S`` ``[c]``), where
-    the student gradient w.r.t. its scaled logits is ``p_s * (u - S)`` (reverse KL, JSD) or ``p_s - p_t``
-    (forward KL: S unused)."""
-    if beta == 0.0:
-        return partials[:, 0], torch.zeros_like(partials[:, 0])
-    if beta == 1.0:
-        return partials[:, 0], partials[:, 0]
-    b_part = (1.0 - beta) * partials[:, 1]
-    return beta * partials[:, 0] + b_part, b_part
-
-
-def _lse(combined: torch.Tensor) -> torch.Tensor:
-    return combined[:, 0] + combined[:, 1].log()
-
-
-def _sparse_rows(plan: LossPlan, spec: DistillSpec, x, ids, logprobs, kernels):
-    """Sparse teacher, one chunk: (loss ``[c]``, student log-probs at the ids ``[c, K]``, lse ``[c]`` or None,
-    column index ``[c, K]``, owned ``[c, K]``). Collectives: MAX + SUM (with the tail), then one SUM."""
-    m = plan.math
-    acc = compute_dtype(x.dtype)
-    local = ids - m.vocab_start
-    owned = (local >= 0) & (local < m.valid)
-    idx = local.clamp(0, max(m.valid - 1, 0))
-    picked = x.gather(1, idx).to(acc) * m.scale
-    y = torch.where(owned, picked, 0.0)
-    lse = None
-    if spec.tail:
-        stats = kernels.softmax_partials(x, None, m, entropy=False, target=False, sum_logits=False)
-        lse = _lse(combine_partials(stats, plan.tp_group))
-    all_reduce_sum_(y, plan.tp_group)  # every id is owned by exactly one rank: the sum is its logit
-    lq = logprobs.to(acc)
-    if spec.tail:
-        ls = y - lse[:, None]
-        q_tail = (1.0 - lq.exp().sum(-1)).clamp(min=0.0)
-        p_tail = (1.0 - ls.exp().sum(-1)).clamp(min=torch.finfo(acc).tiny)
-        tail_term = torch.where(q_tail > 0, q_tail * (q_tail.log() - p_tail.log()), 0.0)
-    else:  # renormalised over the K ids
-        lq = lq - torch.logsumexp(lq, -1, keepdim=True)
-        ls = y - torch.logsumexp(y, -1, keepdim=True)
-        q_tail = p_tail = tail_term = None
-    terms = torch.where(lq > -math.inf, lq.exp() * (lq - ls), 0.0)
-    loss = terms.sum(-1) + (tail_term if spec.tail else 0.0)
-    return loss, (lq, ls, lse, q_tail, p_tail, idx, owned)
-
-
-def _sparse_grad_(plan: LossPlan, spec: DistillSpec, x, state, weight, kernels, out):
-    """The student's gradient for a sparse teacher into `out`: ``p_s - q`` at the teacher's ids, and with
-    the tail ``p_s (1 - q_tail / p_tail)`` at every other column (0 there without the tail)."""
-    lq, ls, lse, q_tail, p_tail, idx, owned = state
-    m = plan.math
-    p_ids = ls.exp()
-    if spec.tail:
-        a = 1.0 - q_tail / p_tail
-        coef = torch.zeros((x.shape[0], 4), dtype=lse.dtype, device=x.device)
-        coef[:, 0] = torch.where(weight != 0, weight * a, 0.0)  # select: an ignored row's a may be NaN
-        kernels.softmax_grad_(x, None, lse, None, coef, m, out, uniform_term=False)
-        at_ids = p_ids * (1.0 - a)[:, None] - lq.exp()
-    else:
-        out.zero_()
-        at_ids = p_ids - lq.exp()
-    active = owned & (weight != 0)[:, None]
-    values = torch.where(active, at_ids * (weight * m.scale)[:, None], 0.0)
-    out.scatter_add_(1, idx, values.to(out.dtype))
-    return out
-
-
-def _dense_chunk(dk, xs, xt, lse, plan: LossPlan, spec: DistillSpec, weight, grad_sink, s, e, overwrite):
-    """Steps 2 and 3 of one chunk (module docstring): the divergence's partial sums, their SUM over the
-    TP group, the per-row loss, and with a sink the student's gradient. `lse` None: one process."""
-
-    def finish(partials):
-        all_reduce_sum_(partials, plan.tp_group)
-        loss, subtract = divergence_rows(partials, spec.beta)
-        return loss, None if weight is None else torch.stack([weight, subtract], dim=1)
-
-    if grad_sink is None:
-        return finish(dk.divergence_partials(xs, xt, lse, plan.math, spec.beta, overwrite=overwrite))[0]
-    out = grad_sink.buffer(s, e, xs)
-    loss = dk.divergence_partials_then_grad_(
-        xs, xt, lse, plan.math, spec.beta, finish, out, overwrite=overwrite
-    )
-    grad_sink.consume(s, e, out)
-    return loss
-
-
-def distill_pass(
-    plan: LossPlan,
-    spec: DistillSpec,
-    n: int,
-    student,
-    teacher,
-    labels: torch.Tensor | None,
-    topk: tuple[torch.Tensor, torch.Tensor] | None,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    grad_sink=None,
-    upstream: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Walk the chunks once: per-token losses ``[n]`` (compute dtype; 0 at ignored tokens).
-
-    `student` / `teacher` are chunk sources ``(s, e) -> [c, V_local]`` (`teacher` None with `topk`).
-    With `grad_sink`, also each chunk's student gradient of ``sum(upstream * loss)`` (`upstream` ``[n]``,
-    None for 1 per token), handed to the sink; ignored tokens get exactly 0 whatever their values.
-    """
-    losses = torch.empty(n, dtype=compute_dtype(dtype), device=device)
-    kernels = plan.kernels(n, device)
-    rows = max(1, min(n, plan.chunk_size or n))
-    dk = make_distill_kernels(
-        plan.impl, rows, plan.shard.size, device, scratch=getattr(kernels, "scratch", None)
-    )
-    overwrite = getattr(student, "owns_chunks", False)
-    local_softmax = (
-        dk.normalises_rows and world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
-    )
-    for s, e in plan.chunks(n):
-        valid = None if labels is None else labels[s:e] != plan.ignore_index
-        xs = student(s, e)
-        weight = None
-        if grad_sink is not None:
-            weight = (
-                torch.ones(e - s, dtype=losses.dtype, device=device) if upstream is None else upstream[s:e]
-            )
-            weight = weight.to(losses.dtype)
-            weight = weight if valid is None else torch.where(valid, weight, 0.0)
-        if spec.sparse:
-            loss, state = _sparse_rows(plan, spec, xs, topk[0][s:e], topk[1][s:e], kernels)
-            if grad_sink is not None:
-                out = grad_sink.buffer(s, e, xs)
-                grad_sink.consume(s, e, _sparse_grad_(plan, spec, xs, state, weight, kernels, out))
-        elif local_softmax:  # one process, no padding: the kernels normalise each row themselves
-            xt = teacher(s, e)
-            loss = _dense_chunk(dk, xs, xt, None, plan, spec, weight, grad_sink, s, e, overwrite)
-        else:
-            xt = teacher(s, e)
-            stats = [
-                kernels.softmax_partials(x, None, plan.math, entropy=False, target=False, sum_logits=False)
-                for x in (xs, xt)
-            ]
-            # both distributions' rows in one combine: one MAX and one SUM over the TP group
-            combined = combine_partials(torch.cat(stats).to(losses.dtype), plan.tp_group)
-            lse = _lse(combined).view(2, e - s).t().contiguous()  # [c, 2]: student, teacher
-            loss = _dense_chunk(dk, xs, xt, lse, plan, spec, weight, grad_sink, s, e, overwrite)
-        losses[s:e] = loss if valid is None else torch.where(valid, loss, 0.0)
-    return losses
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,7 +158,7 @@ def _options(*, beta, reduction, teacher_topk, tail):
     _validate.check_reduction(reduction)
     if not isinstance(tail, bool):
         raise TypeError(f"tail must be a bool, got {tail!r}")
-    spec = DistillSpec(beta=beta, sparse=teacher_topk is not None, tail=tail)
+    spec = DivergenceSpec(beta=beta, sparse=teacher_topk is not None, tail=tail)
     agree = dict(
         beta=beta, sparse_teacher=int(spec.sparse), tail=int(tail), reduction=_validate.REDUCTIONS.index(reduction)
     )
@@ -330,40 +171,6 @@ def _labels_for_count(labels: torch.Tensor | None, shape, ignore_index: int, dev
 
 # ----------------------------------------------------------------------------------------------------------
 # from logits
-
-
-class _DistillOverLogits(torch.autograd.Function):
-    """student ``[N, V_local]``, teacher ``[N, V_local]`` (or top-k) -> per-token losses ``[N]``.
-
-    The backward walks the chunks again (the same statistics and collectives) and writes the gradient of
-    ``sum(upstream * loss)`` into one ``[N, V_local]`` buffer of the student's dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, student, teacher, labels, ids, logprobs, plan: LossPlan, spec: DistillSpec):
-        topk = None if ids is None else (ids, logprobs)
-        losses = distill_pass(
-            plan, spec, student.shape[0], _rows_of(student), None if teacher is None else _rows_of(teacher),
-            labels, topk, device=student.device, dtype=student.dtype,
-        )  # fmt: skip
-        ctx.plan, ctx.spec = plan, spec
-        ctx.save_for_backward(student, teacher, labels, ids, logprobs)
-        ctx.set_materialize_grads(False)
-        return losses
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        student, teacher, labels, ids, logprobs = ctx.saved_tensors
-        if grad is None:
-            return (None,) * 7
-        out = torch.empty(student.shape, dtype=student.dtype, device=student.device)
-        distill_pass(
-            ctx.plan, ctx.spec, student.shape[0], _rows_of(student),
-            None if teacher is None else _rows_of(teacher), labels, None if ids is None else (ids, logprobs),
-            device=student.device, dtype=student.dtype, grad_sink=_BufferSink(out), upstream=grad,
-        )  # fmt: skip
-        return (out,) + (None,) * 6
 
 
 def distillation_loss(
@@ -409,29 +216,32 @@ def distillation_loss(
             student mass outside the ids); with ``tail=False`` both distributions are renormalised over
             the K ids. Under TP every rank passes all K ids; each handles those in its shard.
         tp_group, vocab_start, vocab_size, chunk_size, impl: as in `lmloss.cross_entropy`;
-            ``chunk_size="auto"`` sizes chunks from a memory budget (`lmloss.fused.auto_chunk_size`).
+            ``chunk_size="auto"`` sizes chunks from a memory budget (`lmloss.chunks.auto_chunk_size`).
 
     Returns:
         A scalar (``"mean"`` / ``"sum"``), or per-token losses ``[...]`` (``"none"``); the same on every TP
         rank. The chunk loop makes three collectives per chunk over `tp_group` (a MAX and a SUM of both
         distributions' statistics, a SUM of the divergence's partial sums).
     """
-    _validate.check_floating("student_logits", student_logits)
-    if student_logits.dim() < 1:
-        raise ValueError("student_logits must have at least one dimension (the vocabulary)")
-    spec, agree = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
+    _validate.check_group("tp_group", tp_group)
+    with errors_raised_on_every_rank(tp_group, vocab_start, student_logits):
+        _validate.check_floating("student_logits", student_logits)
+        if student_logits.dim() < 1:
+            raise ValueError("student_logits must have at least one dimension (the vocabulary)")
+        spec, agree = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
+        _validate.check_temperature(temperature)
+        _validate.check_group("mean_group", mean_group)
+        leading = student_logits.shape[:-1]
+        if (teacher_logits is None) == (teacher_topk is None):
+            raise ValueError("pass exactly one of teacher_logits and teacher_topk")
+        teacher = None if teacher_logits is None else _check_teacher_logits(student_logits, teacher_logits)
+        topk = None
+        if teacher_topk is not None:
+            topk = _check_topk(teacher_topk, leading, student_logits.device, spec.beta, temperature)
+            agree["teacher_topk"] = topk[0].shape[1]
+        if labels is not None:
+            labels = _validate.check_labels(labels, leading, student_logits.device, against="student_logits")
     agree["op"] = 2
-    _validate.check_temperature(temperature)
-    leading = student_logits.shape[:-1]
-    if (teacher_logits is None) == (teacher_topk is None):
-        raise ValueError("pass exactly one of teacher_logits and teacher_topk")
-    teacher = None if teacher_logits is None else _check_teacher_logits(student_logits, teacher_logits)
-    topk = None
-    if teacher_topk is not None:
-        topk = _check_topk(teacher_topk, leading, student_logits.device, spec.beta, temperature)
-        agree["teacher_topk"] = topk[0].shape[1]
-    if labels is not None:
-        labels = _validate.check_labels(labels, leading, student_logits.device, against="student_logits")
     flat_labels = None if labels is None else labels.reshape(-1)
     n, v_local = math.prod(leading), student_logits.shape[-1]
     device, dtype = student_logits.device, student_logits.dtype
@@ -443,115 +253,33 @@ def distillation_loss(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
         chunk_size=chunk_size, auto_chunk=auto_chunk, temperature=temperature, softcap=None,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
-        impl=impl, agree=agree,
+        impl=impl, agree=agree, tensors=_tensors(topk, flat_labels, ignore_index),
     )  # fmt: skip
-    if topk is not None:
-        valid = None if flat_labels is None else flat_labels != ignore_index
-        _check_topk_values(*topk, valid, plan.shard.vocab_size, tail)
-    per_token = _DistillOverLogits.apply(
-        student_logits.reshape(-1, v_local), None if teacher is None else teacher.reshape(-1, v_local),
-        flat_labels, *(topk or (None, None)), plan, spec,
-    )  # fmt: skip
+    objective = _objective(plan, spec, topk, flat_labels, lambda rows: LogitRows(teacher.reshape(-1, v_local)))
+    (per_token,) = PerTokenLoss.apply(Op(plan, LogitsHead, objective), student_logits.reshape(-1, v_local))
     return reduce_loss(
         per_token.view(leading), _labels_for_count(labels, leading, ignore_index, device),
         ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
     )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------------------
-# fused from both heads
+def _tensors(topk, labels, ignore_index: int) -> dict:
+    """The per-token tensors the TP ranks agree on: the sparse teacher, and which tokens count (the labels
+    are only compared with `ignore_index` here, never read as vocabulary ids)."""
+    out = {} if topk is None else {"teacher_ids": topk[0], "teacher_logprobs": topk[1]}
+    if labels is not None:
+        out["mask"] = labels != ignore_index
+    return out
 
 
-def _sources(hidden, weight, t_hidden, t_weight, plan: LossPlan, opts: dict):
-    """The student's chunk source (scratch chunks the kernels may overwrite) and the teacher's (its own
-    scratch buffers, in the teacher's dtype: the kernels read either dtype and compute in fp32, and the
-    matmul has already rounded the teacher's logits to that dtype, so an fp32 copy would only add a pass)."""
-    student = _HiddenRows(hidden, weight, None, _pass_scratch(plan, hidden), opts["chunk_dtype"])
-    if t_hidden is None:
-        return student, None
-    t_scratch = ChunkScratch(student.scratch.rows, plan.shard.size, t_hidden.device)
-    teacher = _HiddenRows(t_hidden, t_weight, None, t_scratch, t_weight.dtype)
-    return student, teacher
-
-
-class _LinearDistillPerToken(torch.autograd.Function):
-    """Per-token losses from both heads; the backward recomputes each chunk (4 matmuls + 2 in the forward)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, t_hidden, t_weight, labels, ids, logprobs, plan, spec, opts):
-        student, teacher = _sources(hidden, weight, t_hidden, t_weight, plan, opts)
-        topk = None if ids is None else (ids, logprobs)
-        losses = distill_pass(
-            plan,
-            spec,
-            hidden.shape[0],
-            student,
-            teacher,
-            labels,
-            topk,
-            device=hidden.device,
-            dtype=hidden.dtype,
-        )
-        ctx.plan, ctx.spec, ctx.opts = plan, spec, opts
-        ctx.save_for_backward(hidden, weight, t_hidden, t_weight, labels, ids, logprobs)
-        ctx.set_materialize_grads(False)
-        return losses
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        hidden, weight, t_hidden, t_weight, labels, ids, logprobs = ctx.saved_tensors
-        if grad is None:
-            return (None,) * 10
-        plan = ctx.plan
-        student, teacher = _sources(hidden, weight, t_hidden, t_weight, plan, ctx.opts)
-        needs = (*ctx.needs_input_grad[:2], False)
-        acc = _Accumulators(hidden, weight, None, needs, scratch=student.scratch, **ctx.opts)
-        distill_pass(
-            plan, ctx.spec, hidden.shape[0], student, teacher, labels, None if ids is None else (ids, logprobs),
-            device=hidden.device, dtype=hidden.dtype, grad_sink=acc, upstream=grad,
-        )  # fmt: skip
-        gh, gw, _ = acc.finish(hidden, weight, None, plan.tp_group)
-        return (gh, gw) + (None,) * 8
-
-
-class _LinearDistillSum(torch.autograd.Function):
-    """Summed loss from both heads, its gradients computed in the forward (4 matmuls: the two heads' logits,
-    the student's d-hidden and d-weight); the backward only scales them, once."""
-
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, t_hidden, t_weight, labels, ids, logprobs, plan, spec, opts, grad_enabled
-    ):
-        student, teacher = _sources(hidden, weight, t_hidden, t_weight, plan, opts)
-        needs = tuple(n and grad_enabled for n in ctx.needs_input_grad[:2]) + (False,)
-        acc = (
-            _Accumulators(hidden, weight, None, needs, scratch=student.scratch, **opts)
-            if any(needs)
-            else None
-        )
-        losses = distill_pass(
-            plan, spec, hidden.shape[0], student, teacher, labels, None if ids is None else (ids, logprobs),
-            device=hidden.device, dtype=hidden.dtype, grad_sink=acc,
-        )  # fmt: skip
-        ctx.plan, ctx.acc = plan, acc
-        ctx.save_for_backward(hidden, weight)
-        return losses.sum()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_total):
-        hidden, weight = ctx.saved_tensors
-        if ctx.acc == "used":
-            raise RuntimeError(
-                "lmloss.linear_distillation_loss with reduction='sum'/'mean' computes its gradients in the "
-                "forward and hands them out once; for a second backward use reduction='none'"
-            )
-        acc, ctx.acc = ctx.acc, "used"
-        if acc is None:
-            return (None,) * 11
-        gh, gw, _ = acc.finish(hidden, weight, None, ctx.plan.tp_group, grad_total)
-        return (gh, gw) + (None,) * 9
+def _objective(plan, spec: DivergenceSpec, topk, labels, make_teacher, grad_scale=None):
+    """The two-distribution objective of a plan; a sparse teacher's values are checked here, after the rank
+    agreement (its ids and log-probs were agreed by fingerprint: every rank raises alike)."""
+    if topk is None:
+        return DivergenceObjective(plan, spec, make_teacher, labels, grad_scale=grad_scale)
+    valid = None if labels is None else labels != plan.ignore_index
+    _check_topk_values(*topk, valid, plan.shard.vocab_size, spec.tail)
+    return SparseTeacherObjective(plan, spec, *topk, labels, grad_scale=grad_scale)
 
 
 def _check_teacher_head(t_hidden, t_weight, student_hidden, student_weight) -> None:
@@ -623,53 +351,52 @@ def linear_distillation_loss(
     matmuls per chunk: both heads' logits, the student's d-hidden and d-weight) and the backward only
     scales them; ``"none"`` recomputes in the backward.
     """
-    spec, agree = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
-    agree["op"] = 3
-    _validate.check_temperature(temperature)
-    if (teacher_hidden is None) != (teacher_weight is None):
-        raise ValueError("teacher_hidden and teacher_weight go together (both None with teacher_topk)")
-    if (teacher_hidden is None) == (teacher_topk is None):
-        raise ValueError("pass exactly one of (teacher_hidden, teacher_weight) and teacher_topk")
-    _validate.check_floating("student_hidden", student_hidden)
-    _validate.check_floating("student_weight", student_weight)
-    device = student_weight.device
-    if teacher_hidden is not None:
-        _check_teacher_head(teacher_hidden, teacher_weight, student_hidden, student_weight)
-        agree["teacher_width"] = teacher_weight.shape[-1]
-    topk = None
-    if teacher_topk is not None:
-        lead = student_hidden.shape[:-1]
-        if sequence_parallel:
-            lead = torch.Size((world_size(tp_group) * student_hidden.shape[0], *student_hidden.shape[1:-1]))
-        topk = _check_topk(teacher_topk, lead, device, spec.beta, temperature)
-        agree["teacher_topk"] = topk[0].shape[1]
-    flat, flat_labels, plan, opts, shape = _prepare(
+    spec, agree, checked = None, {"op": 3}, {}
+
+    def checks(expected):
+        nonlocal spec
+        spec, options = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
+        agree.update(options)
+        _validate.check_temperature(temperature)
+        if (teacher_hidden is None) != (teacher_weight is None):
+            raise ValueError("teacher_hidden and teacher_weight go together (both None with teacher_topk)")
+        if (teacher_hidden is None) == (teacher_topk is None):
+            raise ValueError("pass exactly one of (teacher_hidden, teacher_weight) and teacher_topk")
+        if teacher_hidden is not None:
+            _check_teacher_head(teacher_hidden, teacher_weight, student_hidden, student_weight)
+            agree["teacher_width"] = teacher_weight.shape[-1]
+        if teacher_topk is not None:
+            checked["topk"] = _check_topk(teacher_topk, expected, student_weight.device, spec.beta, temperature)
+            agree["teacher_topk"] = checked["topk"][0].shape[1]
+        return {"tensors": _tensors(checked.get("topk"), None, ignore_index)}  # labels: agreed by the plan
+
+    p = prepare(
         student_hidden, student_weight, labels, None, chunk_size=chunk_size, temperature=temperature,
         softcap=None, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
         vocab_start=vocab_start, sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype,
-        impl=impl, outputs=("loss",), agree=agree, reduction=reduction,
-        bytes_per_logit=bytes_per_logit(student_weight.dtype, spec.beta, fused=True),
+        impl=impl, outputs=("loss",), agree=agree, reduction=reduction, mean_group=mean_group,
+        bytes_per_logit=bytes_per_logit(student_weight.dtype, beta if isinstance(beta, float) else 0.0, fused=True),
+        checks=checks,
     )  # fmt: skip
-    t_flat = t_weight = None
+    topk = checked.get("topk")
+    make_teacher = None
     if teacher_hidden is not None:
         t_flat = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
         if sequence_parallel:  # the same blocks of tokens as the student's, gathered in rank order
             t_flat = gather_rows(t_flat, tp_group)
         t_weight = teacher_weight.detach()
-    if topk is not None:
-        valid = None if flat_labels is None else flat_labels != ignore_index
-        _check_topk_values(*topk, valid, plan.shard.vocab_size, tail)
-    ids, logprobs = topk or (None, None)
+
+        def make_teacher(rows):
+            scratch = ChunkScratch(rows, t_weight.shape[0], t_weight.device)
+            return HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype)
+
     if reduction == "none":
-        per_token = _LinearDistillPerToken.apply(
-            flat, student_weight, t_flat, t_weight, flat_labels, ids, logprobs, plan, spec, opts
-        )
-        return per_token.view(shape)
-    total = _LinearDistillSum.apply(
-        flat, student_weight, t_flat, t_weight, flat_labels, ids, logprobs, plan, spec, opts,
-        torch.is_grad_enabled(),
-    )  # fmt: skip
+        objective = _objective(p.plan, spec, topk, p.labels, make_teacher)
+        (per_token,) = PerTokenLoss.apply(Op(p.plan, p.head, objective), p.flat, student_weight, None)
+        return per_token.view(p.shape)
+    objective = _objective(p.plan, spec, topk, p.labels, make_teacher)
+    total = SummedLoss.apply(Op(p.plan, p.head, objective), torch.is_grad_enabled(), None, p.flat, student_weight, None)
     return reduce_loss(
-        total, _labels_for_count(flat_labels, (flat.shape[0],), ignore_index, device),
+        total, _labels_for_count(p.labels, (p.flat.shape[0],), ignore_index, student_weight.device),
         ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
     )  # fmt: skip

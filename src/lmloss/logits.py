@@ -1,8 +1,10 @@
 """Per-token log-probs, entropy and cross-entropy from logits, chunked over tokens and vocab-parallel.
 
-Thin: each op checks its tensors, resolves one `LossPlan` and runs the chunk loop of `lmloss.plan` with
-the logits as the chunk source. The gradient sink is a buffer of the logits' dtype written once (the
-saved logits are never modified), or, with ``inplace_backward=True``, the logits themselves.
+Thin: each op checks its arguments, resolves one `LossPlan` and runs a loss Function (`lmloss.functions`)
+over the logits (`lmloss.chunks.LogitsHead`, or a replayed support's slots, `lmloss.replay`) with the
+softmax objective (`lmloss.objectives.SoftmaxObjective`). The gradient is written once into a buffer of
+the logits' dtype (the saved logits are never modified), or, with ``inplace_backward=True``, over the
+logits themselves.
 """
 
 from __future__ import annotations
@@ -11,147 +13,23 @@ import math
 
 import torch
 
-from lmloss import _validate
-from lmloss._autograd import once_differentiable
-from lmloss.kernels import compute_dtype, scale_
-from lmloss.plan import LossPlan, backward_pass, forward_pass, grad_coefficients, has_uniform_term, make_plan
+from lmloss import _validate, replay
+from lmloss.chunks import LogitsHead, auto_chunk_size
+from lmloss.functions import InPlaceCrossEntropy, Op, PerTokenLoss
+from lmloss.kernels import compute_dtype
+from lmloss.objectives import SoftmaxObjective
+from lmloss.plan import LossPlan, make_plan
 from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, errors_raised_on_every_rank
 
-#: Tokens per chunk of the PyTorch implementation under ``chunk_size="auto"``. The Triton kernels hold
-#: nothing chunk-sized (per row they keep 5 numbers), so there "auto" is one chunk.
-DEFAULT_CHUNK_SIZE = 1024
+#: Bytes per logit the PyTorch kernels hold for a chunk (two fp32 scratch buffers), for ``chunk_size="auto"``
+#: (`lmloss.chunks.auto_chunk_size`); the Triton kernels hold nothing chunk-sized: one chunk.
+TORCH_BYTES_PER_LOGIT = 8
 
 
-def auto_chunk_size(n_tokens: int, local_vocab: int, impl: str) -> int | None:
-    """``chunk_size="auto"`` for logits: `DEFAULT_CHUNK_SIZE` rows (torch), one chunk (triton)."""
-    return None if impl == "triton" else DEFAULT_CHUNK_SIZE
-
-
-def _rows_of(logits: torch.Tensor):
-    """Chunk source over ``[N, V]`` logits: a row slice, made contiguous along the vocabulary if needed."""
-
-    def source(s: int, e: int) -> torch.Tensor:
-        x = logits[s:e]
-        return x if x.stride(-1) == 1 else x.contiguous()
-
-    return source
-
-
-class _BufferSink:
-    """Gradient sink that is a preallocated ``[N, V]`` buffer: the kernel writes each chunk's rows."""
-
-    def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad
-
-    def buffer(self, s, e, x):
-        return self.grad[s:e]
-
-    def consume(self, s, e, grad):
-        pass
-
-
-class _InPlaceSink:
-    """Gradient sink that is the logits themselves: each chunk's gradient overwrites its logits."""
-
-    def buffer(self, s, e, x):
-        return x
-
-    def consume(self, s, e, grad):
-        pass
-
-
-class _SoftmaxOverLogits(torch.autograd.Function):
-    """logits ``[N, V_local]``, labels ``[N]`` -> the per-token outputs named by ``plan.outputs``."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan):
-        n = logits.shape[0]
-        results = forward_pass(plan, n, _rows_of(logits), labels, device=logits.device, dtype=logits.dtype)
-        ctx.plan = plan
-        ctx.save_for_backward(
-            logits, labels, results["lse"], results.get("entropy"), results.get("keep_min"), results.get("dropped")
-        )
-        ctx.set_materialize_grads(False)
-        if "log_kept_mass" in results:
-            ctx.mark_non_differentiable(results["log_kept_mass"])
-        return tuple(results[k] for k in plan.returned)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads):
-        plan: LossPlan = ctx.plan
-        logits, labels, lse, entropy, keep_min, dropped = ctx.saved_tensors
-        upstream = dict(zip(plan.outputs, grads))
-        coef = grad_coefficients(plan, labels, lse, upstream, dropped)
-        if coef is None:
-            return None, None, None
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        backward_pass(
-            plan, logits.shape[0], _rows_of(logits), labels, lse,
-            entropy if upstream.get("entropy") is not None else None, coef, _BufferSink(grad),
-            device=logits.device, uniform_term=has_uniform_term(plan, upstream), keep_min=keep_min,
-        )  # fmt: skip
-        return grad, None, None
-
-
-class _CrossEntropyInPlace(torch.autograd.Function):
-    """``sum`` of per-token losses; the gradient is computed in the forward and written over the logits.
-
-    The backward only scales the stored gradient (already divided by the mean's count) by the upstream
-    scalar, once, and does nothing over it when that upstream is 1.0. The modification is made known to
-    autograd, so that another op that saved these logits fails with PyTorch's version-counter error
-    instead of computing with a gradient:
-
-    * logits that are not a view are marked dirty (``ctx.mark_dirty``) and returned as a second output;
-      reading them after the call and backpropagating through that raises.
-    * a view (``lm_head(h).view(-1, V)``, ``.flatten(0, 1)``, a slice) cannot be: PyTorch allows a
-      function that modifies a view in place one output only, and would route its gradient through
-      copies of the whole base. There the version counter (shared with the base) is bumped instead and
-      the loss is the only output; the gradient goes back through the view as it is, without a copy.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan, is_view: bool, denominator):
-        # `denominator` (a 0-d device tensor, or None for "sum"): the mean's count, folded into the gradient here
-        flat = logits.view(-1, logits.shape[-1])
-        results = forward_pass(
-            plan, flat.shape[0], _rows_of(flat), labels, device=logits.device, dtype=logits.dtype,
-            grad_sink=_InPlaceSink(), grad_scale=None if denominator is None else denominator.reciprocal(),
-        )  # fmt: skip
-        ctx.set_materialize_grads(False)
-        ctx.used = False
-        total = results["loss"].sum()
-        loss = total if denominator is None else total / denominator
-        if is_view:
-            # Triton's writes do not bump it; the torch kernels' may have: one more bump, then saved, so that
-            # a later in-place change to the logits is caught when the backward unpacks them
-            torch.autograd.graph.increment_version(logits)
-            ctx.save_for_backward(logits)
-            return loss
-        ctx.mark_dirty(logits)
-        ctx.save_for_backward(logits)
-        return loss, logits
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_total, grad_overwritten=None):
-        if grad_overwritten is not None:
-            raise RuntimeError(
-                "lmloss.cross_entropy(inplace_backward=True) overwrote the logits with their gradient; the "
-                "logits tensor cannot be used after the call (use inplace_backward=False)"
-            )
-        if ctx.used:
-            raise RuntimeError(
-                "lmloss.cross_entropy(inplace_backward=True) hands out its gradient once; a second backward "
-                "through the same graph needs inplace_backward=False"
-            )
-        ctx.used = True
-        (grad,) = ctx.saved_tensors
-        if grad_total is None:
-            return None, None, None, None, None
-        return scale_(grad, grad_total), None, None, None, None  # no [N, V] work for an upstream of 1.0
-
+def logits_chunk_size(n_tokens: int, local_vocab: int, impl: str, device: torch.device) -> int:
+    """``chunk_size="auto"`` for the logits ops."""
+    return auto_chunk_size(n_tokens, local_vocab, device, 0 if impl == "triton" else TORCH_BYTES_PER_LOGIT)
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
     """Check the tensors every logits op shares; return the labels as int64 (or None)."""
@@ -164,9 +42,11 @@ def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Te
 
 
 def _plan(logits: torch.Tensor, labels: torch.Tensor | None, **options) -> LossPlan:
+    device = logits.device
     return make_plan(
-        n_tokens=math.prod(logits.shape[:-1]), local_vocab=logits.shape[-1], device=logits.device, dtype=logits.dtype,
-        labels=None if labels is None else labels.reshape(-1), auto_chunk=auto_chunk_size, **options,
+        n_tokens=math.prod(logits.shape[:-1]), local_vocab=logits.shape[-1], device=device, dtype=logits.dtype,
+        labels=None if labels is None else labels.reshape(-1),
+        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device), **options,
     )  # fmt: skip
 
 
@@ -235,8 +115,10 @@ def token_logprobs(
         logits: ``[..., V_local]`` fp32 / bf16 / fp16 (fp64 is computed in fp64); this rank's vocabulary
             shard under TP.
         labels: ``[...]`` integer global vocabulary ids, or `ignore_index`.
-        chunk_size: tokens per chunk (over the flattened leading dims); ``"auto"``: 1024 for the PyTorch
-            implementation, one chunk for Triton (it holds nothing chunk-sized); None for one chunk.
+        chunk_size: tokens per chunk (over the flattened leading dims); ``"auto"``: for the PyTorch
+            implementation as many as fit its two fp32 chunk buffers in the memory budget
+            (`lmloss.chunks.auto_chunk_size`: 64 MiB on CPU, 2 GiB on CUDA), one chunk for Triton (it
+            holds nothing chunk-sized); None for one chunk.
         temperature: the (capped) logits are divided by it before the softmax.
         softcap: Gemma's ``final_logit_softcapping``: logits become ``softcap * tanh(logits / softcap)``
             first. None for no capping.
@@ -268,29 +150,28 @@ def token_logprobs(
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         labels = _check_logits(logits, labels)
-        sampling = None
+        n = math.prod(labels.shape)
         if support is None:
             sampling = make_sampling(
-                top_k, top_p, min_p, n_tokens=math.prod(labels.shape), device=logits.device,
-                log_kept_mass=return_log_kept_mass,
-            )  # fmt: skip
-    if support is not None:
-        from lmloss.replay import replay_over_logits
-
-        return replay_over_logits(
-            logits, labels, support, top=(top_k, top_p, min_p, return_log_kept_mass), chunk_size=chunk_size,
-            temperature=temperature, softcap=softcap, ignore_index=ignore_index, vocab_size=vocab_size,
-            tp_group=tp_group, vocab_start=vocab_start, return_entropy=return_entropy, impl=impl,
-        )  # fmt: skip
+                top_k, top_p, min_p, n_tokens=n, device=logits.device, log_kept_mass=return_log_kept_mass
+            )
+        else:
+            sampling = None
+            support = replay.check_arguments(support, n, logits.device, vocab_size, (top_k, top_p, min_p),
+                                             return_log_kept_mass)  # fmt: skip
     plan = _plan(
         logits, labels, outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits),
-        sampling=sampling,
+        sampling=sampling, support=support, log_kept_mass=return_log_kept_mass,
     )  # fmt: skip
-    outs = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
-    outs = tuple(o.view(labels.shape) for o in outs)
-    if sampling is not None:
+    flat, flat_labels = _flat(logits, labels)
+    if support is None:
+        op = Op(plan, LogitsHead, SoftmaxObjective(plan, flat_labels))
+    else:
+        op = replay.op_over_slots(plan, LogitsHead, (flat,), flat_labels, support, return_log_kept_mass)
+    outs = tuple(o.view(labels.shape) for o in PerTokenLoss.apply(op, flat))
+    if sampling is not None or support is not None:
         report_dropped(outs[0], labels, ignore_index)
     return outs if len(outs) > 1 else outs[0]
 
@@ -322,7 +203,8 @@ def token_entropy(
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
         agree=_agree(logits), sampling=sampling,
     )  # fmt: skip
-    (entropy,) = _SoftmaxOverLogits.apply(*_flat(logits, None), plan)
+    flat, _ = _flat(logits, None)
+    (entropy,) = PerTokenLoss.apply(Op(plan, LogitsHead, SoftmaxObjective(plan, None)), flat)
     return entropy.view(logits.shape[:-1])
 
 
@@ -390,14 +272,17 @@ def cross_entropy(
         impl=impl, label_smoothing=label_smoothing, z_loss=z_loss,
         agree=_agree(logits, reduction=reduction, mean_group=mean_group),
     )  # fmt: skip
+    flat, flat_labels = _flat(logits, labels)
     if inplace:
         denominator = loss_denominator(
             labels, ignore_index=ignore_index, reduction=reduction, mean_group=mean_group,
             dtype=compute_dtype(logits.dtype),
         )  # fmt: skip
-        out = _CrossEntropyInPlace.apply(logits, labels.reshape(-1), plan, logits._is_view(), denominator)
+        grad_scale = None if denominator is None else denominator.reciprocal()
+        objective = SoftmaxObjective(plan, labels.reshape(-1), grad_scale=grad_scale)
+        out = InPlaceCrossEntropy.apply(logits, plan, objective, logits._is_view(), denominator)
         return out[0] if isinstance(out, tuple) else out
-    (per_token,) = _SoftmaxOverLogits.apply(*_flat(logits, labels), plan)
+    (per_token,) = PerTokenLoss.apply(Op(plan, LogitsHead, SoftmaxObjective(plan, flat_labels)), flat)
     return reduce_loss(
         per_token.view(labels.shape), labels, ignore_index=ignore_index, reduction=reduction,
         mean_group=mean_group,

@@ -1,17 +1,13 @@
 """Arguments -> one typed `LossPlan`, and the one chunk loop that every op runs.
 
-An op (from logits, or fused from hidden states) checks its arguments and calls `make_plan` once. The
-loop then walks the tokens in chunks: a *chunk source* ``source(s, e) -> x [c, V_local]`` yields each
-chunk's logits (a slice of the input, or a matmul of hidden rows); the kernels (`lmloss.kernels`, chosen
-by ``impl``) compute per-row softmax partials; `combine_partials` merges them over the TP group (one MAX,
-one packed SUM); `finish` turns them into the per-token outputs. A *gradient sink* receives each chunk's
-gradient: ``sink.buffer(s, e, x)`` says where the kernel writes it (a gradient buffer, the logits
-themselves in the in-place mode, the chunk's own scratch in the fused path) and ``sink.consume(s, e, g)``
-takes it from there (nothing, or the matmuls into the hidden / weight / bias accumulators).
-
-Writing ``y = scale * softcap(x)`` and ``p = softmax(y)`` over the valid global vocabulary, every
-output's gradient has the form ``a*p + b*onehot(label) + c + d*p*(log p + H)`` per token
-(`grad_coefficients`), so one gradient kernel serves every combination of outputs.
+An op checks its arguments and calls `make_plan` once: the options, the vocabulary shard and its TP group,
+the chunking, the kept set of a sampling truncation, the kernels' implementation, and one agreement of all
+of it (and of every per-token tensor that changes the result) across the TP ranks, in one all-gather
+before any other collective. `forward_pass` then walks the tokens in chunks: a *chunk source*
+(`lmloss.chunks`, `lmloss.replay`) yields each chunk's logits, an *objective* (`lmloss.objectives`)
+computes the chunk's per-token results with the pass's kernels (`lmloss.kernels`) and the TP combine, and
+a *gradient sink* receives the chunk's gradient when it is computed in the forward. `backward_pass`
+walks the chunks again for a per-token op's backward. These two loops are the only ones in the package.
 """
 
 from __future__ import annotations
@@ -24,24 +20,21 @@ import torch
 
 from lmloss import _validate
 from lmloss.kernels import ChunkMath, compute_dtype, make_kernels, resolve_impl
-from lmloss.sampling import Sampling, keep_thresholds
+from lmloss.objectives import OUTPUTS
+from lmloss.sampling import Sampling
 from lmloss.vocab_parallel import (
     ProcessGroup,
     VocabShard,
-    combine_partials,
     errors_raised_on_every_rank,
     resolve_shard,
     will_gather,
     world_size,
 )
 
-OUTPUTS = ("logprobs", "entropy", "loss")
 #: The input dtype as it travels in the rank-agreement vector (fp32 on one rank and fp64 on another would
 #: all-reduce partials of different sizes).
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 ChunkSource = Callable[[int, int], torch.Tensor]
-#: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `forward_pass`)
-Upstream = Callable[[int, int, dict], dict]
 
 
 class GradSink(Protocol):
@@ -74,12 +67,17 @@ class LossPlan:
     tp_group: ProcessGroup | None = None
     #: the rollout engine's truncation (`lmloss.sampling`): a per-row kept set; None for the full softmax
     sampling: Sampling | None = None
+    #: also return ``log`` of the kept set's probability (with `sampling`, or a replayed support)
+    log_kept_mass: bool = False
+    #: with a replayed support (`lmloss.replay`) the kernels run over its slots (`shard`, `math`); these are
+    #: the vocabulary's shard and math, which the slots are taken from. Otherwise `shard` and `math`.
+    vocab: VocabShard | None = None
+    vocab_math: ChunkMath | None = None
 
     @property
     def returned(self) -> tuple[str, ...]:
         """What the op returns: `outputs`, then ``"log_kept_mass"`` (not differentiable) if asked."""
-        wants_mass = self.sampling is not None and self.sampling.log_kept_mass
-        return (*self.outputs, "log_kept_mass") if wants_mass else self.outputs
+        return (*self.outputs, "log_kept_mass") if self.log_kept_mass else self.outputs
 
     @property
     def flags(self) -> dict[str, bool]:
@@ -120,15 +118,26 @@ def make_plan(
     z_loss: float = 0.0,
     agree: dict[str, int | float] | None = None,
     sampling: Sampling | None = None,
+    support: torch.Tensor | None = None,
+    log_kept_mass: bool = False,
+    options: dict | None = None,
+    tensors: dict[str, torch.Tensor | None] | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
     `labels` are the flat int64 labels (or None). `auto_chunk(n_tokens, max_V_local, impl)` sizes
     ``chunk_size="auto"`` from values that every TP rank agrees on. Under `tp_group` the ranks' metadata
-    (token count, chunk size, shard, dtype, options, a fingerprint of the labels, and `agree`: the op's
-    own fields of `lmloss.vocab_parallel.HOST_FIELDS`) is compared in one all-gather before any other
-    collective (`resolve_shard`). The checks here run before it: a rank whose argument fails one takes
-    the error into that gather and every rank raises it (`errors_raised_on_every_rank`).
+    is compared in one all-gather before any other collective (`resolve_shard`): token count, chunk size,
+    shard, dtype, the shared options, `agree` (the op's own fields of
+    `lmloss.vocab_parallel.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
+    options, ...; on a mismatch every rank's text of them is shown), and fingerprints of the labels, of
+    `tensors` (the op's per-token tensors, `lmloss.vocab_parallel.TENSOR_FIELDS`), of the sampling
+    parameters given per token and of `support`. The checks here run before it: a rank whose argument
+    fails one takes the error into that gather and every rank raises it (`errors_raised_on_every_rank`);
+    checks made after it on agreed tensors fail on every rank alike.
+
+    `support` ``[N, K]`` (a replayed kept set, `lmloss.replay`, already checked locally): the plan's
+    kernels run over the K slots per rank (`shard`, `math`; the vocabulary's are `vocab`, `vocab_math`).
     """
     with errors_raised_on_every_rank(tp_group, vocab_start, device):
         _validate.check_temperature(temperature)
@@ -139,19 +148,20 @@ def make_plan(
         _validate.check_chunk_size(chunk_size)
         _validate.check_label_smoothing(label_smoothing)
         _validate.check_z_loss(z_loss)
-        requested = impl
         impl = resolve_impl(impl, device, dtype)
-        if sampling is not None and softcap:
-            # the Triton kernels' tanh rounds differently from torch.tanh, on whose values the thresholds are
-            # found: a token at the threshold could drop out of its own kept set
-            if requested == "triton":
-                raise ValueError(
-                    'top_k / top_p / min_p with softcap run on impl="torch" (impl="auto" picks it); '
-                    'impl="triton" takes them without softcap'
-                )
-            impl = "torch"
+    agree = dict(agree or {})
+    tensors = dict(tensors or {})
     if sampling is not None:
-        agree = {**(agree or {}), **sampling.agree_fields()}
+        agree.update(sampling.agree_fields())
+        tensors.update({k: v for k, v in sampling.rows(0, n_tokens).items() if isinstance(v, torch.Tensor)})
+    if support is not None:
+        agree["slots"], tensors["support"] = support.shape[1], support
+    agree["log_kept_mass"] = int(log_kept_mass)
+    gathered = will_gather(tp_group, vocab_start)
+    options_text = ""
+    if options and gathered:  # only a gather compares them
+        options_text = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+        agree["objective"] = _text_hash(options_text)
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
@@ -159,93 +169,40 @@ def make_plan(
         softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
         dtype=_DTYPE_CODES.get(dtype, 99), **(agree or {}),
     )  # fmt: skip
-    gathered = will_gather(tp_group, vocab_start)
     stats = None if labels is None or not gathered else _validate.label_stats(labels, ignore_index)
     shard, max_local = resolve_shard(
         local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device,
-        agree=fields, label_stats=stats,
+        agree=fields, label_stats=stats, tensors=tensors if gathered else None, options_text=options_text,
     )  # fmt: skip
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
     if chunk_size == "auto":
-        # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does
-        chunk_size = auto_chunk(n_tokens, max_local, "torch" if sampling is not None else impl)
+        # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does;
+        # a replayed support's chunk is [c, K] slots (and, fused, the matmul of the rows its ids name)
+        width = max_local if support is None else min(max_local, 64 * support.shape[1])
+        chunk_size = auto_chunk(n_tokens, width, "torch" if sampling is not None else impl)
     math = ChunkMath(
         vocab_start=shard.start, valid=shard.valid, scale=1.0 / temperature, softcap=float(softcap or 0.0)
     )
+    vocab, vocab_math = shard, math
+    if support is not None:  # the kernels run over the K slots of each rank, which the source transforms
+        k, rank = support.shape[1], 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+        shard = VocabShard(start=rank * k, size=k, vocab_size=world_size(tp_group) * k)
+        math = ChunkMath(vocab_start=shard.start, valid=k, scale=1.0, softcap=0.0)
     return LossPlan(
         shard=shard, math=math, impl=impl, chunk_size=chunk_size, outputs=outputs, ignore_index=ignore_index,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), tp_group=tp_group, sampling=sampling,
+        log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
     )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------------------
-# per-token math on the combined partials ([c] vectors: cheap, the same for both implementations
-
-
-def finish(plan: LossPlan, combined: torch.Tensor, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`."""
-    big_m, sum_exp, t, target, sum_y = combined.unbind(1)
-    log_sum_exp = sum_exp.log()
-    out = {"lse": big_m + log_sum_exp}
-    if "entropy" in plan.outputs:
-        out["entropy"] = log_sum_exp - t / sum_exp
-    if labels is None:
-        return out
-    valid = labels != plan.ignore_index
-    target_logprob = (target - big_m) - log_sum_exp
-    if "logprobs" in plan.outputs:
-        out["logprobs"] = torch.where(valid, target_logprob, 0.0)
-    if "loss" in plan.outputs:
-        nll = -target_logprob
-        if plan.label_smoothing > 0:
-            smooth = log_sum_exp - (sum_y / plan.shard.vocab_size - big_m)
-            nll = (1.0 - plan.label_smoothing) * nll + plan.label_smoothing * smooth
-        if plan.z_loss > 0:
-            nll = nll + plan.z_loss * out["lse"].square()
-        out["loss"] = torch.where(valid, nll, 0.0)
-    return out
-
-
-def grad_coefficients(
-    plan: LossPlan,
-    labels: torch.Tensor | None,
-    lse: torch.Tensor,
-    upstream: dict[str, torch.Tensor | None],
-    dropped: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Upstream gradients of the per-token outputs (``[N]`` each, None = unused) -> ``coef [N, 4]``
-    (``a, b, c, d``); None when no output has a gradient. `dropped` ``[N]`` bool: labels outside the
-    sampling kept set, whose log-prob (-inf) has no gradient."""
-    g_lp, g_h, g_loss = (upstream.get(k) for k in OUTPUTS)
-    if g_lp is None and g_h is None and g_loss is None:
-        return None
-    coef = torch.zeros((lse.shape[0], 4), dtype=lse.dtype, device=lse.device)
-    a, b, c, d = coef.unbind(1)
-    if g_lp is not None or g_loss is not None:
-        # where(), not a multiply: an inf or NaN upstream at an ignored position must give no gradient
-        valid = labels != plan.ignore_index
-        if dropped is not None:
-            valid = valid & ~dropped
-    if g_lp is not None:  # d logp_t / dy = onehot - p
-        g = torch.where(valid, g_lp.to(lse.dtype), 0.0)
-        a.sub_(g)
-        b.add_(g)
-    if g_loss is not None:  # d loss / dy = (1 + 2 z lse) p - (1 - eps) onehot - eps / V
-        g = torch.where(valid, g_loss.to(lse.dtype), 0.0)
-        # the z-loss term multiplies by lse, NaN / inf in an ignored row: select, so that row stays all 0
-        a.add_(torch.where(valid, g * (1.0 + 2.0 * plan.z_loss * lse), 0.0) if plan.z_loss > 0 else g)
-        b.sub_((1.0 - plan.label_smoothing) * g)
-        if plan.label_smoothing > 0:
-            c.sub_((plan.label_smoothing / plan.shard.vocab_size) * g)
-    if g_h is not None:  # d H / dy = -p (log p + H)
-        d.sub_(g_h.to(lse.dtype))
-    return coef
-
-
-def has_uniform_term(plan: LossPlan, upstream: dict[str, torch.Tensor | None]) -> bool:
-    """Whether ``coef[:, 2]`` can be nonzero (label smoothing of a loss with a gradient)."""
-    return plan.label_smoothing > 0 and upstream.get("loss") is not None
+def _text_hash(text: str) -> int:
+    """A signed 64-bit FNV-1a hash of `text`, the same in every process (Python's ``hash`` is salted per
+    process)."""
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,126 +212,44 @@ def has_uniform_term(plan: LossPlan, upstream: dict[str, torch.Tensor | None]) -
 def forward_pass(
     plan: LossPlan,
     n: int,
+    objective,
     source: ChunkSource,
-    labels: torch.Tensor | None,
     *,
     device: torch.device,
     dtype: torch.dtype,
     grad_sink: GradSink | None = None,
-    grad_scale: torch.Tensor | None = None,
-    upstream: Upstream | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Walk the chunks once: per-token outputs ``[n]`` (and ``"lse"``), fp32 (fp64 for fp64 inputs).
+    """Walk the chunks once: the objective's per-token results (``[n, ...]`` each, as its chunks give them).
 
-    With `grad_sink`, also the gradient of ``grad_scale * sum(loss)`` (`grad_scale`: a 0-d device tensor,
-    ``1 / count`` for a mean; None for 1), computed while each chunk's logits are at hand and handed to the
-    sink: the scalar-loss paths need no backward pass, and the gradient comes out already scaled.
-    With `upstream` instead of `grad_scale`, the gradient of an objective of the per-token outputs:
-    ``upstream(s, e, stats)`` gets the chunk's outputs and returns their upstream gradients (``{"logprobs":
-    [c], "entropy": [c]}``, as in `grad_coefficients`), e.g. an RL objective's (`lmloss.rl`).
+    `objective` (`lmloss.objectives`) computes each chunk's results from its logits ``source(s, e)`` and the
+    pass's kernels; with `grad_sink`, also the chunk's gradient (of a summed loss, or of an objective of the
+    per-token outputs), handed to the sink while the chunk is at hand.
     """
-    if plan.sampling is not None and grad_sink is not None:
-        raise ValueError("top_k / top_p / min_p are for per-token outputs, not a summed loss")
-    assert grad_scale is None or upstream is None, "an upstream objective carries its own scale"
-    keys = (*plan.returned, "lse")
-    if plan.sampling is not None:
-        keys = (*keys, "keep_min", "dropped")
-    results = {k: torch.empty(n, dtype=compute_dtype(dtype), device=device) for k in keys}
-    if plan.sampling is not None:
-        results["dropped"] = torch.zeros(n, dtype=torch.bool, device=device)
+    state = objective.start(n, device)  # what lives for this pass only (a teacher's scratch, ...)
     kernels = plan.kernels(n, device)
-    search = None  # the threshold search runs on the PyTorch kernels' scaled values and scratch
-    if plan.sampling is not None:
-        rows = min(n, plan.chunk_size or n)
-        search = kernels if plan.impl == "torch" else make_kernels("torch", rows, plan.shard.size, device)
-    uniform = plan.label_smoothing > 0
     overwrite = getattr(source, "owns_chunks", False)
-    one_kernel = (
-        grad_sink is not None
-        and plan.outputs == ("loss",)
-        and world_size(plan.tp_group) == 1
-        and hasattr(kernels, "loss_and_grad_")
-    )
+    results: dict[str, torch.Tensor] = {}
     for s, e in plan.chunks(n):
-        x = source(s, e)
-        chunk_labels = None if labels is None else labels[s:e]
-        keep_min = kept = None
-        if plan.sampling is not None:  # the kept set's per-row threshold (collectives over tp_group)
-            kept = keep_thresholds(
-                search.scaled(x, plan.math), plan.sampling.rows(s, e), min(plan.sampling.k_max, plan.shard.vocab_size),
-                group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
-            )  # fmt: skip
-            keep_min, full_lse = kept.keep_min, kept.full_lse
-        if grad_sink is None:
-            partials = kernels.softmax_partials(
-                x, chunk_labels, plan.math, **plan.flags, overwrite=overwrite,
-                **({} if kept is None else {"keep_min": keep_min, "kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}),
-            )  # fmt: skip
-            stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-            if keep_min is not None:
-                stats["keep_min"] = keep_min
-                if chunk_labels is not None and "logprobs" in stats:
-                    stats["dropped"] = (chunk_labels != plan.ignore_index) & torch.isneginf(stats["logprobs"])
-                else:
-                    stats["dropped"] = False
-                if plan.sampling.log_kept_mass:
-                    stats["log_kept_mass"] = stats["lse"] - full_lse
-        else:
-
-            def finish_with_grad(partials, chunk_labels=chunk_labels, s=s, e=e):
-                stats = finish(plan, combine_partials(partials, plan.tp_group), chunk_labels)
-                if upstream is not None:
-                    grads = upstream(s, e, stats)
-                elif grad_scale is None:
-                    grads = {"loss": torch.ones_like(stats["lse"])}
-                else:
-                    grads = {"loss": grad_scale.to(stats["lse"].dtype).expand_as(stats["lse"])}
-                coef = grad_coefficients(plan, chunk_labels, stats["lse"], grads)
-                if grads.get("entropy") is not None:  # the gradient's d term needs each row's H
-                    return stats, coef, stats["lse"], stats["entropy"]
-                return stats, coef, stats["lse"]
-
-            out = grad_sink.buffer(s, e, x)
-            if one_kernel:  # statistics, loss and gradient in one read of the chunk (one process only)
-                stats = kernels.loss_and_grad_(
-                    x, chunk_labels, plan.math, ignore_index=plan.ignore_index,
-                    label_smoothing=plan.label_smoothing, z_loss=plan.z_loss, vocab_size=plan.shard.vocab_size,
-                    out=out, grad_scale=grad_scale,
-                )  # fmt: skip
-                grad = out
-            else:
-                stats, grad = kernels.partials_then_grad_(
-                    x, chunk_labels, plan.math, plan.flags, finish_with_grad, out, uniform_term=uniform
-                )
-            grad_sink.consume(s, e, grad)
-        for k in keys:
-            results[k][s:e] = stats[k]
+        stats = objective.forward_chunk(state, s, e, source(s, e), kernels, grad_sink, overwrite=overwrite)
+        for k in objective.result_keys():
+            v = stats.get(k)
+            if v is None:
+                continue
+            if k not in results:
+                results[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=device)
+            results[k][s:e] = v
+    if n == 0:  # no chunk: empty results of the compute dtype
+        results = {k: torch.empty(0, dtype=compute_dtype(dtype), device=device) for k in objective.result_keys()}
     return results
 
 
 def backward_pass(
-    plan: LossPlan,
-    n: int,
-    source: ChunkSource,
-    labels: torch.Tensor | None,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    coef: torch.Tensor,
-    grad_sink: GradSink,
-    *,
+    plan: LossPlan, n: int, objective, source: ChunkSource, grad_sink: GradSink, saved: dict, coef, extra: dict, *,
     device: torch.device,
-    uniform_term: bool,
-    keep_min: torch.Tensor | None = None,
-) -> None:
-    """Walk the chunks again: each chunk's gradient from the saved `lse` (and `entropy`, passed only when
-    its upstream gradient is used) and the per-token coefficients ``coef [n, 4]``. No collectives."""
+) -> None:  # fmt: skip
+    """Walk the chunks again: each chunk's gradient from what the forward saved (`saved`, e.g. the
+    log-sum-exps) and the per-token coefficients of the upstream gradients. No collectives."""
+    state = objective.start(n, device)
     kernels = plan.kernels(n, device)
     for s, e in plan.chunks(n):
-        x = source(s, e)
-        out = grad_sink.buffer(s, e, x)
-        kernels.softmax_grad_(
-            x, None if labels is None else labels[s:e], lse[s:e], None if entropy is None else entropy[s:e],
-            coef[s:e], plan.math, out, uniform_term=uniform_term,
-            **({} if keep_min is None else {"keep_min": keep_min[s:e]}),
-        )  # fmt: skip
-        grad_sink.consume(s, e, out)
+        objective.backward_chunk(state, s, e, source(s, e), kernels, grad_sink, saved, coef, extra)

@@ -208,7 +208,8 @@ def _round_up_to(t64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class ChunkThresholds:
     """What `keep_thresholds` finds for one chunk.
 
-    keep_min: ``[c]`` (y's dtype) the kept set's threshold per row, -inf where nothing is cut.
+    keep_min: ``[c]`` (y's dtype) the kept set's threshold per row on the logits x (``x >= keep_min``),
+        -inf where nothing is cut.
     row_max: ``[c]`` the global row max ``M`` of y (over the TP group).
     exps: ``[c, V_valid]`` ``exp(y - row_max)`` of every column, already 0 in some dropped ones (a scratch
         buffer the kernels may reuse: `lmloss.kernels`, ``kept_exps``).
@@ -225,12 +226,16 @@ class ChunkThresholds:
 
 
 def keep_thresholds(
-    y: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch, want_full_lse: bool
-) -> ChunkThresholds:
+    y: torch.Tensor, x: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch,
+    want_full_lse: bool,
+) -> ChunkThresholds:  # fmt: skip
     """The kept set of each row of the chunk's scaled logits (see `ChunkThresholds`).
 
-    y: ``[c, V_valid]`` this rank's valid columns of ``scale * softcap(x)`` (fp32 / fp64), exactly as the
-        kernels compute them; not modified.
+    y: ``[c, V_valid]`` this rank's valid columns of ``scale * softcap(x)`` (fp32 / fp64), as the PyTorch
+        kernels compute them; not modified. x: the same columns of the logits themselves. The set is found
+        on `y` and handed to the kernels as a threshold on `x` (``keep_min``): y is monotone in x, so
+        ``{y >= t} = {x >= min of the kept x}``, and every implementation keeps exactly this set however
+        its transform rounds (a Triton tanh and torch.tanh differ in the last bits).
     params: `Sampling.rows` of the chunk. group: the TP group (thresholds are global).
     scratch: a `ChunkScratch` with chunk-sized buffers (the exps are left in its ``"exps"`` buffer).
     want_full_lse: also the global ``logsumexp(y)`` (for the kept mass).
@@ -262,7 +267,24 @@ def keep_thresholds(
             # under TP the mass is the group's, not this shard's: the kernels sum their own
             if world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
                 kept_mass = mass.to(dt)
-    return ChunkThresholds(keep_min=keep, row_max=big_m, exps=exps, full_lse=full_lse, kept_mass=kept_mass)
+    return ChunkThresholds(
+        keep_min=_on_logits(x, y, keep, group, scratch), row_max=big_m, exps=exps, full_lse=full_lse,
+        kept_mass=kept_mass,
+    )  # fmt: skip
+
+
+def _on_logits(x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, group, scratch) -> torch.Tensor:
+    """The threshold on y, moved onto the logits: per row the smallest x whose y is kept (over the TP group:
+    one MIN), -inf where nothing is cut. In y's dtype, which holds every x value exactly."""
+    rows, cols = y.shape
+    dt = y.dtype
+    cut = torch.isfinite(keep)
+    if rows == 0 or not bool(cut.any()):
+        return keep
+    kept_x = scratch.get("kept", rows, cols, dt).copy_(x).masked_fill_(y < keep[:, None], math.inf)
+    low = kept_x.amin(dim=1) if cols else torch.full((rows,), math.inf, dtype=dt, device=y.device)
+    low = all_reduce_max_(low.neg_(), group).neg_()
+    return torch.where(cut, low, -math.inf)
 
 
 def _kth_largest(y: torch.Tensor, k: torch.Tensor, k_max: int, group) -> torch.Tensor:

@@ -87,10 +87,20 @@ HOST_FIELDS = (
     "chunk_budget", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
     # lmloss.distill: the divergence and the teacher
     "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width",
-    # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation
-    "top_k_max", "top_p", "min_p", "log_kept_mass",
+    # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation; a replayed support's width
+    "top_k_max", "top_p", "min_p", "log_kept_mass", "slots",
+    # an objective's options beyond these (RL policy options, distillation softcaps...): a hash of them, and
+    # on a mismatch every rank's text of them in a second gather
+    "objective",
 )  # fmt: skip
 LABEL_FIELDS = ("label_min", "label_max", "labels_count", "labels_sum", "labels_hash")
+#: Per-token tensors that change what a rank computes, each agreed by a fingerprint (`tensor_fingerprint`):
+#: a rank that holds other values raises on every rank instead of computing its own answer.
+TENSOR_FIELDS = (
+    "mask",  # ops whose labels only say which tokens count (distillation): labels != ignore_index
+    "advantages", "old_logprobs", "ref_logprobs", "rollout_is_weights", "token_weights", "sequence_ids",
+    "top_k", "top_p", "min_p", "support", "teacher_ids", "teacher_logprobs",
+)  # fmt: skip
 FLOAT_FIELDS = frozenset(
     {"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "beta", "top_p", "min_p"}
 )
@@ -101,7 +111,7 @@ _SHOWN = {
     "vocab_start_given": "vocab_start passed (1) or not (0)",
     "vocab_size": "vocab_size (-1: None)",
     "check_ranks": "LMLOSS_CHECK_RANKS (0: set to 0, 1: anything else)",
-    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation)",
+    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation, 4: fused policy loss)",
     "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
     "reduction": "reduction (0: mean, 1: sum, 2: none, -1: a per-token op)",
     "dtype": "dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",
@@ -114,7 +124,36 @@ _SHOWN = {
     "top_k_max": "top_k (its largest value; 0: None)",
     "top_p": "top_p (2.0: None, -3.0: a per-token tensor)",
     "min_p": "min_p (-1.0: None, -3.0: a per-token tensor)",
+    "slots": "support width K (0: no support)",
 }  # fmt: skip
+
+
+def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 on `t`'s device: a position-weighted sum of the bits of `t`'s elements (and its size), which
+    moves when any element or its place changes. No host sync; sums wrap around int64 the same way on
+    every rank."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        bits = flat.to(torch.int64)
+    elif flat.element_size() == 8:
+        bits = flat.contiguous().view(torch.int64)
+    else:
+        bits = flat.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()])
+        bits = bits.to(torch.int64)
+    position = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+    mixed = (bits + 0x9E3779B9) * (position * 0x5DEECE66D + 1)
+    return mixed.sum() + flat.numel() * 0x7F4A7C15
+
+
+def tensor_stats(tensors: dict[str, torch.Tensor | None] | None, device: torch.device) -> torch.Tensor:
+    """``[len(TENSOR_FIELDS)]`` int64: each named tensor's fingerprint (0 where absent)."""
+    tensors = tensors or {}
+    unknown = set(tensors) - set(TENSOR_FIELDS)
+    assert not unknown, f"not in the agreement vector: {unknown}"
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return torch.stack(
+        [tensor_fingerprint(tensors[k]).to(device) if tensors.get(k) is not None else zero for k in TENSOR_FIELDS]
+    )
 
 #: TP groups on which every rank agreed to LMLOSS_CHECK_RANKS=0 (see `rank_checks_enabled`).
 _UNCHECKED_GROUPS: set = set()
@@ -172,6 +211,8 @@ def resolve_shard(
     device: torch.device,
     agree: dict[str, int | float] | None = None,
     label_stats: torch.Tensor | None = None,
+    tensors: dict[str, torch.Tensor | None] | None = None,
+    options_text: str = "",
 ) -> tuple[VocabShard, int]:
     """This rank's vocabulary shard, checked against every other rank's; returns ``(shard, max V_local)``.
 
@@ -208,8 +249,14 @@ def resolve_shard(
         vocab_start=vocab_start or 0, vocab_size=-1 if vocab_size is None else vocab_size,
         check_ranks=int(rank_checks_enabled()),
     )  # fmt: skip
-    ranks = _gather(tp_group, fields, label_stats, device)
+    ranks = _gather(tp_group, fields, label_stats, device, tensor_stats(tensors, device))
     _raise_rank_errors(tp_group, ranks, None, device)
+    if len({r["objective"] for r in ranks}) > 1:
+        texts = _gather_text(tp_group, options_text, device)
+        raise RankAgreementError(
+            "TP ranks disagree on the objective's options (every rank of tp_group must pass the same): "
+            + "; ".join(f"rank {i}: {t}" for i, t in enumerate(texts))
+        )
     _check_agreement(ranks)
     if all(r["check_ranks"] == 0 for r in ranks):
         _UNCHECKED_GROUPS.add(tp_group)
@@ -242,6 +289,14 @@ def resolve_shard(
             "the same labels. (min, max, count, sum, position hash) of the non-ignored labels per rank: "
             f"{fingerprints}"
         )
+    for name in TENSOR_FIELDS:
+        values = [r["tensor_" + name] for r in ranks]
+        if len(set(values)) > 1:
+            present = ["absent" if v == 0 else "given" for v in values]
+            raise RankAgreementError(
+                f"TP ranks hold different {name} (per rank: {present}; fingerprints {values}): every rank of "
+                f"tp_group must pass the same {name}, or each would compute a different result"
+            )
     return shard, max(sizes)
 
 
@@ -255,9 +310,12 @@ def _collective_device(group: ProcessGroup, like: object) -> torch.device:
     return torch.device("cpu")
 
 
-def _gather(group, fields: dict, label_stats: torch.Tensor | None, device: torch.device) -> list[dict]:
-    """Every rank's agreement vector (`HOST_FIELDS`, `LABEL_FIELDS`), one dict per rank; fields missing
-    from `fields` are 0. Floats travel as their float64 bits and come back as floats."""
+def _gather(
+    group, fields: dict, label_stats: torch.Tensor | None, device: torch.device, tensors: torch.Tensor | None = None
+) -> list[dict]:
+    """Every rank's agreement vector (`HOST_FIELDS`, `LABEL_FIELDS`, ``tensor_`` + `TENSOR_FIELDS`), one dict
+    per rank; fields missing from `fields` are 0. Floats travel as their float64 bits and come back as
+    floats."""
     unknown = set(fields) - set(HOST_FIELDS)
     assert not unknown, f"not in the agreement vector: {unknown}"
     host = [
@@ -265,15 +323,30 @@ def _gather(group, fields: dict, label_stats: torch.Tensor | None, device: torch
     ]
     if label_stats is None:
         label_stats = torch.zeros(len(LABEL_FIELDS), dtype=torch.int64, device=device)
+    if tensors is None:
+        tensors = torch.zeros(len(TENSOR_FIELDS), dtype=torch.int64, device=device)
     mine = torch.cat(
-        [torch.tensor(host, dtype=torch.int64, device=device), label_stats.to(device, torch.int64)]
-    )
+        [torch.tensor(host, dtype=torch.int64, device=device), label_stats.to(device, torch.int64),
+         tensors.to(device, torch.int64)]
+    )  # fmt: skip
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    ranks = [dict(zip((*HOST_FIELDS, *LABEL_FIELDS), t.tolist())) for t in everyone]
+    names = (*HOST_FIELDS, *LABEL_FIELDS, *("tensor_" + k for k in TENSOR_FIELDS))
+    ranks = [dict(zip(names, t.tolist())) for t in everyone]
     for r in ranks:
         r.update({k: struct.unpack("<d", struct.pack("<q", r[k]))[0] for k in FLOAT_FIELDS})
     return ranks
+
+
+def _gather_text(group, text: str, device: torch.device) -> list[str]:
+    """Every rank's `text` (its first `MESSAGE_BYTES` bytes), in rank order: one fixed-size all-gather."""
+    data = text.encode()[:MESSAGE_BYTES]
+    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    everyone = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, buf, group=group)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for t in everyone]
 
 
 def _float_bits(v: float) -> int:
@@ -286,13 +359,8 @@ def _raise_rank_errors(group, ranks: list[dict], mine: BaseException | None, dev
     failed = [i for i, r in enumerate(ranks) if r["error"]]
     if not failed:
         return
-    text = b"" if mine is None else str(mine).encode()[:MESSAGE_BYTES]
-    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-    buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    buf = buf.to(device)
-    everyone = [torch.empty_like(buf) for _ in ranks]
-    dist.all_gather(everyone, buf, group=group)
-    messages = [bytes(everyone[i].cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for i in failed]
+    texts = _gather_text(group, "" if mine is None else str(mine), device)
+    messages = [texts[i] for i in failed]
     if len(set(messages)) == 1:
         who = (
             f"TP rank {failed[0]} of {len(ranks)} rejected its"

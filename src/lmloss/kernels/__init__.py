@@ -149,6 +149,23 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype) -> str:
     return impl
 
 
+class ChunkScratch:
+    """Chunk-sized buffers allocated once per pass and reused by every chunk."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+        self.rows, self.cols, self.device = rows, cols, device
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A ``[rows, cols]`` view of the buffer `name` (made on first use at the full chunk size)."""
+        buf = self._buffers.get((name, dtype))
+        if buf is None:
+            buf = torch.empty((self.rows, self.cols), dtype=dtype, device=self.device)
+            self._buffers[(name, dtype)] = buf
+        return buf[:rows, :cols]
+
+
+
 def scale_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``t *= factor`` in place for a 0-d `factor`, touching nothing of `t` when ``factor == 1.0`` exactly.
 
@@ -187,24 +204,12 @@ def scaled_cast(t: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype
 
 
 def make_kernels(impl: str, max_rows: int, cols: int, device: torch.device):
-    """The kernels object for one pass over the chunks (it may hold chunk-sized scratch buffers)."""
-    if impl == "triton":
-        from lmloss.kernels.triton_kernels import TritonKernels
-
-        return TritonKernels()
-    from lmloss.kernels.torch_ref import TorchKernels
-
-    return TorchKernels(max_rows, cols, device)
-
-
-def make_distill_kernels(impl: str, max_rows: int, cols: int, device: torch.device, *, scratch=None):
-    """The two-distribution kernels for one pass (see the contract above). `scratch` (PyTorch): the
-    single-distribution kernels' `ChunkScratch`, whose buffers are shared, or None for new ones."""
+    """The kernels object for one pass over the chunks: the single-distribution contract and the
+    two-distribution one (the PyTorch one holds chunk-sized scratch buffers shared by both)."""
     if impl == "triton":
         from lmloss.kernels.triton_distill import TritonDistillKernels
 
         return TritonDistillKernels()
     from lmloss.kernels.torch_distill import TorchDistillKernels
-    from lmloss.kernels.torch_ref import ChunkScratch
 
-    return TorchDistillKernels(scratch if scratch is not None else ChunkScratch(max_rows, cols, device))
+    return TorchDistillKernels(max_rows, cols, device)

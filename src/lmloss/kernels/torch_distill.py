@@ -16,7 +16,7 @@ import math
 import torch
 
 from lmloss.kernels import ChunkMath, compute_dtype
-from lmloss.kernels.torch_ref import ChunkScratch, _transform_into, serial_row_reductions
+from lmloss.kernels.torch_ref import TorchKernels, serial_row_reductions, transform_into
 
 _FP32_MIN = torch.finfo(torch.float32).min
 
@@ -26,18 +26,13 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-class TorchDistillKernels:
-    """`divergence_partials` / `divergence_grad_` / `divergence_partials_then_grad_` for one pass.
+class TorchDistillKernels(TorchKernels):
+    """The PyTorch kernels of one pass: the single-distribution contract (`TorchKernels`) and
+    `divergence_partials` / `divergence_grad_` / `divergence_partials_then_grad_`. Both share the pass's
+    scratch: the ``"y"`` buffer is free once a chunk's statistics are taken, and serves as the work buffer
+    here."""
 
-    `scratch` may be the single-distribution kernels' own (`TorchKernels.scratch`): its ``"y"`` buffer is
-    free once the chunk's statistics are taken, and serves as the work buffer here.
-    """
-
-    name = "torch"
     normalises_rows = True  # lse=None: each row's own log-softmax (one process)
-
-    def __init__(self, scratch: ChunkScratch) -> None:
-        self.scratch = scratch
 
     # -- the contract
 
@@ -70,9 +65,9 @@ class TorchDistillKernels:
         acc = compute_dtype(x.dtype)
         xv = x[:, : math_.valid]
         if overwrite and x.dtype == acc:
-            out = _transform_into(xv, xv, math_, aliased=True, shift=lse_col)
+            out = transform_into(xv, xv, math_, aliased=True, shift=lse_col)
         else:
-            out = _transform_into(
+            out = transform_into(
                 self.scratch.get(name, x.shape[0], math_.valid, acc), xv, math_, shift=lse_col
             )
         if lse_col is None:

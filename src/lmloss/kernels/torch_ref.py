@@ -14,25 +14,9 @@ from collections.abc import Iterator
 
 import torch
 
-from lmloss.kernels import ChunkMath, compute_dtype
+from lmloss.kernels import ChunkMath, ChunkScratch, compute_dtype
 
 _FP32_MIN = torch.finfo(torch.float32).min
-
-
-class ChunkScratch:
-    """Chunk-sized buffers allocated once per pass and reused by every chunk."""
-
-    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
-        self.rows, self.cols, self.device = rows, cols, device
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A ``[rows, cols]`` view of the buffer `name` (made on first use at the full chunk size)."""
-        buf = self._buffers.get((name, dtype))
-        if buf is None:
-            buf = torch.empty((self.rows, self.cols), dtype=dtype, device=self.device)
-            self._buffers[(name, dtype)] = buf
-        return buf[:rows, :cols]
 
 
 @contextlib.contextmanager
@@ -58,7 +42,7 @@ def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _transform_into(
+def transform_into(
     out: torch.Tensor,
     x: torch.Tensor,
     math: ChunkMath,
@@ -123,10 +107,11 @@ class TorchKernels:
         self._scaled_of = x
         if x.dtype == acc and math.scale == 1.0 and not math.softcap:
             return x[:, : math.valid]  # y is x itself (read-only): no copy
-        return _transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
+        return transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
     def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps):
-        """The partials over the kept columns ``y >= keep_min``. The exps are those of every column (an exp
+        """The partials over the kept columns ``x >= keep_min`` (the threshold is on the logits themselves:
+        the set is the search's, whatever the transform rounds). The exps are those of every column (an exp
         of -inf takes CPUs' slow path), multiplied by the kept mask, a 0 / 1 float tensor (a bool mask in
         a multiply, ``masked_fill`` or ``where`` costs several passes on CPU). With `kept_exps`
         (``exp(y - shift)``, ``shift`` the global row max) they are not recomputed, and ``m`` is ``shift``:
@@ -144,7 +129,7 @@ class TorchKernels:
         elif getattr(self, "_scaled_of", None) is x:
             y = self.scratch.get("y", rows, n_valid, acc)  # `scaled` left them there
         else:
-            y = _transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
+            y = transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
         self._scaled_of = None
         kept_mass = None
         if kept_exps is not None:
@@ -153,15 +138,17 @@ class TorchKernels:
         else:
             exps, shift = None, y.amax(dim=-1)
             # the row's max is kept unless this shard keeps nothing (TP): then m = -inf and s = t = 0
-            out[:, 0] = torch.where(shift >= keep_min, shift, float("-inf"))
+            kept_any = x[:, :n_valid].amax(dim=-1).to(acc) >= keep_min
+            out[:, 0] = torch.where(kept_any, shift, float("-inf"))
         if target:
             idx, owned = local_targets(labels, math)
             y_label = y.gather(1, idx[:, None]).squeeze(1)
-            out[:, 3] = torch.where(owned, torch.where(y_label >= keep_min, y_label, float("-inf")), 0.0)
+            x_label = x.gather(1, idx[:, None]).squeeze(1).to(acc)
+            out[:, 3] = torch.where(owned, torch.where(x_label >= keep_min, y_label, float("-inf")), 0.0)
         if kept_mass is not None and not entropy and not sum_logits:
             out[:, 1] = kept_mass  # the threshold search summed it: no pass over the chunk
             return out
-        kept = torch.ge(y, keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
+        kept = torch.ge(x[:, :n_valid], keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
         if sum_logits:
             out[:, 4] = (y * kept).sum(dim=-1)
         if not entropy:  # exps in the "exps" buffer: the threshold search's, already paged in
@@ -190,11 +177,11 @@ class TorchKernels:
             return out
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
-            y = _transform_into(xv, xv, math, aliased=True)
+            y = transform_into(xv, xv, math, aliased=True)
         elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
             y = xv  # read-only: shifted into scratch below in one pass
         else:
-            y = _transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
+            y = transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
         m = y.amax(dim=-1)
         out[:, 0] = m
         if target:
@@ -236,16 +223,15 @@ class TorchKernels:
         slope = self._softcap_slope(x, math, "y" if in_out else "slope")  # before `out` (maybe `x`) changes
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         if keep_min is None:
-            _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
-        else:  # compare y itself (rounded as in the partials) with the threshold, then shift: every
-            # column's y - lse is <= 0 (lse is over kept columns, all above the dropped ones)
+            transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x, shift=lse)  # log p
+        else:  # the kept mask from the logits (as in the partials), then y - lse: every column's is <= 0
+            # (lse is over kept columns, all above the dropped ones)
             kept = self.scratch.get("kept", rows, n_valid, acc)
+            torch.ge(x[:, :n_valid], keep_min[:, None], out=kept)  # on x, before `work` (maybe x) changes
             if x.dtype == acc and math.scale == 1.0 and not math.softcap and out is not x:
-                torch.ge(x[:, :n_valid], keep_min[:, None], out=kept)  # y is x itself: one pass fewer
-                torch.sub(x[:, :n_valid], lse[:, None], out=work)
+                torch.sub(x[:, :n_valid], lse[:, None], out=work)  # y is x itself: one pass fewer
             else:
-                _transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
-                torch.ge(work, keep_min[:, None], out=kept)
+                transform_into(work, x[:, :n_valid], math, aliased=in_out and out is x)
                 work.sub_(lse[:, None])
         a, d = coef[:, 0:1], coef[:, 3:4]
         if entropy is not None:

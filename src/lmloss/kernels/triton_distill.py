@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lmloss.kernels import ChunkMath
+from lmloss.kernels.triton_kernels import TritonKernels
 
 #: (largest V, BLOCK_V, num_warps): the first row whose V fits wins; BLOCK_V is capped at next_pow2(V).
 BLOCKS: tuple[tuple[float, int, int], ...] = ((1024, 1024, 4), (float("inf"), 4096, 8))
@@ -126,11 +127,11 @@ def _check(xs: torch.Tensor, xt: torch.Tensor, lse: torch.Tensor | None) -> None
             raise ValueError(f"{name} must be [c, V] with unit column stride, got stride {tuple(x.stride())}")
 
 
-class TritonDistillKernels:
-    """The two-distribution kernels (`lmloss.kernels` contract). `block_v` overrides the block table (tests
-    use a small one so that rows span several blocks)."""
+class TritonDistillKernels(TritonKernels):
+    """The Triton kernels of one pass: the single-distribution contract (`TritonKernels`) and the
+    two-distribution one. `block_v` overrides the two-distribution block table (tests use a small one so
+    that rows span several blocks)."""
 
-    name = "triton"
     normalises_rows = False
 
     def __init__(self, block_v: int | None = None) -> None:

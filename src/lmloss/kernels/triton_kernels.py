@@ -198,16 +198,16 @@ def _softmax_partials_kernel(
     row_start = row * x_row_stride
     x_row = x_ptr + row_start
     keep = -float("inf")
-    if KEEP:  # the row's kept set is y >= keep (lmloss.sampling); the rest is treated as padding
-        keep = tl.load(keep_ptr + row)
+    if KEEP:  # the row's kept set is x >= keep (lmloss.sampling: on the logits themselves, so that the set
+        keep = tl.load(keep_ptr + row)  # is the search's whatever the transform rounds); the rest is padding
     target = 0.0
     if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
-        y_t, th_t = _transform(tl.load(x_row + local, mask=owned, other=0.0), scale, inv_cap, cap_scale,
-                            SCALE, SOFTCAP, FAST)  # fmt: skip
+        x_t = tl.load(x_row + local, mask=owned, other=0.0)
+        y_t, th_t = _transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
-            y_t = tl.where(y_t >= keep, y_t, -float("inf"))
+            y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
         target = tl.where(owned, y_t, 0.0)
     head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
@@ -217,11 +217,13 @@ def _softmax_partials_kernel(
     t = tl.zeros([BLOCK_V], tl.float32)
     sum_y = tl.zeros([BLOCK_V], tl.float32)
     for k in range(0, n_main, BLOCK_V):
-        y, _ = _transform(tl.load(x_main + k + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        x = tl.load(x_main + k + offs)
+        y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
+            kept = x.to(tl.float32) >= keep
             if SUM_LOGITS:
-                sum_y += tl.where(y >= keep, y, 0.0)
-            y = tl.where(y >= keep, y, -float("inf"))
+                sum_y += tl.where(kept, y, 0.0)
+            y = tl.where(kept, y, -float("inf"))
         elif SUM_LOGITS:
             sum_y += y
         m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
@@ -232,7 +234,7 @@ def _softmax_partials_kernel(
         x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
         y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
-            mask = mask & (y >= keep)
+            mask = mask & (x.to(tl.float32) >= keep)
         y = tl.where(mask, y, -float("inf"))
         m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
         if SUM_LOGITS:
@@ -308,14 +310,15 @@ def _softmax_grad_kernel(
         local = tl.load(labels_ptr + row) - vocab_start
         label = tl.where((local >= 0) & (local < valid), local, -1).to(tl.int32)
     keep = -float("inf")
-    if KEEP:  # columns with y < keep are outside the row's kept set: gradient exactly 0
+    if KEEP:  # columns with x < keep are outside the row's kept set: gradient exactly 0
         keep = tl.load(keep_ptr + row)
     offs = tl.arange(0, BLOCK_V)
     for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
-        y, th = _transform(tl.load(x_main + kb + offs), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        x = tl.load(x_main + kb + offs)
+        y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
         if KEEP:
-            g = tl.where(y >= keep, g, 0.0)
+            g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
         tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
     if split == 0:
         n_edge = n_cols - n_main
@@ -327,7 +330,7 @@ def _softmax_grad_kernel(
             y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
             if KEEP:
-                in_vocab = in_vocab & (y >= keep)
+                in_vocab = in_vocab & (x.to(tl.float32) >= keep)
             g = tl.where(in_vocab, tl.where(live, g, 0.0), 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge)
 
@@ -508,8 +511,8 @@ def softmax_partials(
         math: vocabulary range of the shard, scale (1 / temperature) and softcap.
         entropy, target, sum_logits: compute columns 2, 3, 4 (else they are 0).
         block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
-        keep_min: ``[c]`` fp32 per-row threshold of the kept set (`lmloss.kernels`): columns with
-            ``y < keep_min`` count as padding (a dropped label's target is -inf); None for all columns.
+        keep_min: ``[c]`` fp32 per-row threshold of the kept set on the logits (`lmloss.kernels`): columns
+            with ``x < keep_min`` count as padding (a dropped label's target is -inf); None for all columns.
 
     Returns:
         fp32 ``[c, 5]``: (max y, sum exp(y - max), sum exp(y - max) * (y - max), y at the label if this shard
@@ -571,7 +574,7 @@ def softmax_grad_(
         splits: programs per row (each walks every splits-th block); default: 1, or more when the chunk has
             too few rows to fill the GPU.
         keep_min: ``[c]`` fp32 kept-set thresholds (as in ``softmax_partials``): columns with
-            ``y < keep_min`` get exactly 0; None for all columns.
+            ``x < keep_min`` get exactly 0; None for all columns.
     """
     _check_rows("x", x, _FLOATS)
     _check_rows("out", out, _FLOATS)

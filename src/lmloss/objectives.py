@@ -1,0 +1,538 @@
+"""What the one chunk loop (`lmloss.plan.forward_pass` / `backward_pass`) computes per chunk.
+
+An objective gets each chunk's logits ``x [c, V_local]`` (from the op's chunk source), the pass's kernels
+(`lmloss.kernels`) and, when gradients are computed in the forward, a gradient sink; it returns the chunk's
+per-token results (``[c]`` vectors). For a per-token op's backward it turns the upstream gradients into
+per-token coefficients and writes each chunk's gradient without collectives.
+
+* `SoftmaxObjective`: one distribution, ``p = softmax(scale * softcap(x))`` over the valid global
+  vocabulary, under the plan's kept set (top-k / top-p / min-p, `lmloss.sampling`) when there is one:
+  log-probs, entropy, cross-entropy (label smoothing, z-loss). Its gradient is the upstream of those
+  outputs: one scalar (a summed loss), or per token (a backward, or an RL objective's `Upstream`,
+  `lmloss.rl.fused`). Declared capabilities: the one-kernel cross-entropy (single process, summed loss);
+  a second source over the full vocabulary rows whose log-sum-exp gives a replayed set's kept mass
+  (`lmloss.replay`).
+* `DivergenceObjective`: two distributions, the student's chunk and a teacher's (a second chunk source),
+  forward KL, reverse KL or the generalized JSD (`lmloss.distill`); gradient to the student only.
+  Declared capability: in one process with no padded columns, the PyTorch kernels normalise each row
+  themselves (no statistics pass).
+* `SparseTeacherObjective`: a teacher given as top-k ids and log-probs (forward KL over the K ids and the
+  tail).
+
+Gradient form of the softmax outputs: writing ``y = scale * softcap(x)`` and ``p = softmax(y)``, every
+output's gradient is ``a*p + b*onehot(label) + c + d*p*(log p + H)`` per token (`grad_coefficients`), so
+one gradient kernel serves every combination of outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from lmloss.kernels import compute_dtype, make_kernels
+from lmloss.sampling import keep_thresholds
+from lmloss.vocab_parallel import all_reduce_sum_, combine_partials, world_size
+
+OUTPUTS = ("logprobs", "entropy", "loss")
+#: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `SoftmaxObjective`)
+Upstream = Callable[[int, int, dict], dict]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# per-token softmax math on the combined partials ([c] vectors: cheap, the same for both implementations)
+
+
+def finish(plan, combined: torch.Tensor, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`."""
+    big_m, sum_exp, t, target, sum_y = combined.unbind(1)
+    log_sum_exp = sum_exp.log()
+    out = {"lse": big_m + log_sum_exp}
+    if "entropy" in plan.outputs:
+        out["entropy"] = log_sum_exp - t / sum_exp
+    if labels is None:
+        return out
+    valid = labels != plan.ignore_index
+    target_logprob = (target - big_m) - log_sum_exp
+    if "logprobs" in plan.outputs:
+        out["logprobs"] = torch.where(valid, target_logprob, 0.0)
+    if "loss" in plan.outputs:
+        nll = -target_logprob
+        if plan.label_smoothing > 0:
+            smooth = log_sum_exp - (sum_y / plan.shard.vocab_size - big_m)
+            nll = (1.0 - plan.label_smoothing) * nll + plan.label_smoothing * smooth
+        if plan.z_loss > 0:
+            nll = nll + plan.z_loss * out["lse"].square()
+        out["loss"] = torch.where(valid, nll, 0.0)
+    return out
+
+
+def grad_coefficients(
+    plan,
+    labels: torch.Tensor | None,
+    lse: torch.Tensor,
+    upstream: dict[str, torch.Tensor | None],
+    dropped: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Upstream gradients of the per-token outputs (``[N]`` each, None = unused) -> ``coef [N, 4]``
+    (``a, b, c, d``); None when no output has a gradient. `dropped` ``[N]`` bool: labels outside the
+    sampling kept set, whose log-prob (-inf) has no gradient."""
+    g_lp, g_h, g_loss = (upstream.get(k) for k in OUTPUTS)
+    if g_lp is None and g_h is None and g_loss is None:
+        return None
+    coef = torch.zeros((lse.shape[0], 4), dtype=lse.dtype, device=lse.device)
+    a, b, c, d = coef.unbind(1)
+    if g_lp is not None or g_loss is not None:
+        # where(), not a multiply: an inf or NaN upstream at an ignored position must give no gradient
+        valid = labels != plan.ignore_index
+        if dropped is not None:
+            valid = valid & ~dropped
+    if g_lp is not None:  # d logp_t / dy = onehot - p
+        g = torch.where(valid, g_lp.to(lse.dtype), 0.0)
+        a.sub_(g)
+        b.add_(g)
+    if g_loss is not None:  # d loss / dy = (1 + 2 z lse) p - (1 - eps) onehot - eps / V
+        g = torch.where(valid, g_loss.to(lse.dtype), 0.0)
+        # the z-loss term multiplies by lse, NaN / inf in an ignored row: select, so that row stays all 0
+        a.add_(torch.where(valid, g * (1.0 + 2.0 * plan.z_loss * lse), 0.0) if plan.z_loss > 0 else g)
+        b.sub_((1.0 - plan.label_smoothing) * g)
+        if plan.label_smoothing > 0:
+            c.sub_((plan.label_smoothing / plan.shard.vocab_size) * g)
+    if g_h is not None:  # d H / dy = -p (log p + H)
+        d.sub_(g_h.to(lse.dtype))
+    return coef
+
+
+def has_uniform_term(plan, upstream: dict[str, torch.Tensor | None]) -> bool:
+    """Whether ``coef[:, 2]`` can be nonzero (label smoothing of a loss with a gradient)."""
+    return plan.label_smoothing > 0 and upstream.get("loss") is not None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one distribution
+
+
+@dataclasses.dataclass
+class FullRows:
+    """A second source over the whole vocabulary rows, beside the chunk's own columns (a replayed set's
+    slots): its log-sum-exp under `math` gives ``log_kept_mass = lse(kept) - lse(vocabulary)``.
+    `make_source(rows)` builds the pass's source (its scratch lives for one pass)."""
+
+    make_source: Callable[[int], Callable[[int, int], torch.Tensor]]
+    math: object  # ChunkMath
+    device: torch.device
+
+
+class SoftmaxObjective:
+    """One distribution's per-token outputs (``plan.outputs``) and their gradient (module docstring).
+
+    labels: flat ``[N]`` int64 or None. upstream: an `Upstream` (the gradient of an objective of the
+    outputs, per chunk), or None for the gradient of the summed loss times `grad_scale` (a 0-d device
+    tensor, ``1 / count`` for a mean; None for 1). full_rows: see `FullRows`. dropped_labels: ``[N]``
+    bool, labels already known to lie outside the kept set (a replayed support that misses them).
+    """
+
+    def __init__(self, plan, labels, *, upstream: Upstream | None = None, grad_scale=None, full_rows=None,
+                 dropped_labels=None):  # fmt: skip
+        self.plan, self.labels, self.upstream, self.grad_scale = plan, labels, upstream, grad_scale
+        self.full_rows, self.dropped_labels = full_rows, dropped_labels
+
+    # -- what the loop stores
+
+    def result_keys(self) -> tuple[str, ...]:
+        keys = (*self.plan.returned, "lse")
+        if self.plan.sampling is not None:
+            keys = (*keys, "keep_min", "dropped")
+        if self.upstream is not None:  # each token's term of the upstream's objective (its total is their sum)
+            keys = (*keys, "objective")
+        return keys
+
+    def returned(self, results: dict) -> tuple[torch.Tensor, ...]:
+        return tuple(results[k] for k in self.plan.returned)
+
+    def saved(self, results: dict) -> dict[str, torch.Tensor | None]:
+        return {k: results.get(k) for k in ("lse", "entropy", "keep_min", "dropped")}
+
+    # -- forward
+
+    def can_run_one_kernel(self, kernels, sink) -> bool:
+        """The single-process scalar loss in one kernel: statistics, loss and gradient in one read."""
+        plan = self.plan
+        return (
+            sink is not None and self.upstream is None and plan.outputs == ("loss",) and plan.sampling is None
+            and world_size(plan.tp_group) == 1 and hasattr(kernels, "loss_and_grad_")
+        )  # fmt: skip
+
+    def start(self, n_rows: int, device: torch.device) -> dict:
+        """A pass's own state (its objects live for one pass): the full rows' source and kernels."""
+        state = {"n_rows": n_rows, "search": None}
+        if self.full_rows is not None:  # the full rows need kernels of their width
+            rows = max(1, min(n_rows, self.plan.chunk_size or n_rows))
+            state["full"] = (self.full_rows.make_source(rows), make_kernels(self.plan.impl, rows, self.plan.vocab.size, device))
+        return state
+
+    def forward_chunk(self, state: dict, s: int, e: int, x: torch.Tensor, kernels, sink, *, overwrite: bool) -> dict:
+        plan = self.plan
+        labels = None if self.labels is None else self.labels[s:e]
+        kept = self._thresholds(state, s, e, x, kernels)
+        keep = {} if kept is None else {"keep_min": kept.keep_min}
+        if sink is None:
+            exps = {} if kept is None else {"kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}
+            partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps)
+            stats = self._finish(state, partials, labels, s, e)
+        else:
+            out = sink.buffer(s, e, x)
+            if self.can_run_one_kernel(kernels, sink):
+                stats = kernels.loss_and_grad_(
+                    x, labels, plan.math, ignore_index=plan.ignore_index, label_smoothing=plan.label_smoothing,
+                    z_loss=plan.z_loss, vocab_size=plan.shard.vocab_size, out=out, grad_scale=self.grad_scale,
+                )  # fmt: skip
+                grad = out
+            else:
+
+                def finish_with_grad(partials):
+                    stats = self._finish(state, partials, labels, s, e)
+                    grads = self._upstream_of(s, e, stats)
+                    coef = grad_coefficients(plan, labels, stats["lse"], grads, stats.get("dropped"))
+                    if grads.get("entropy") is not None:  # the gradient's d term needs each row's H
+                        return stats, coef, stats["lse"], stats["entropy"]
+                    return stats, coef, stats["lse"]
+
+                stats, grad = kernels.partials_then_grad_(
+                    x, labels, plan.math, plan.flags, finish_with_grad, out,
+                    uniform_term=plan.label_smoothing > 0, **keep,
+                )  # fmt: skip
+            sink.consume(s, e, grad)
+        if kept is not None:
+            stats["keep_min"] = kept.keep_min
+            if plan.sampling.log_kept_mass:
+                stats["log_kept_mass"] = stats["lse"] - kept.full_lse
+        return stats
+
+    def _thresholds(self, state, s, e, x, kernels):
+        """The chunk's kept set (collectives over tp_group), found on the PyTorch kernels' values of y."""
+        plan = self.plan
+        if plan.sampling is None:
+            return None
+        if state["search"] is None:
+            rows = min(state["n_rows"], plan.chunk_size or state["n_rows"])
+            state["search"] = kernels if kernels.name == "torch" else make_kernels("torch", rows, plan.shard.size, x.device)
+        search = state["search"]
+        return keep_thresholds(
+            search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(s, e),
+            min(plan.sampling.k_max, plan.shard.vocab_size),
+            group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
+        )  # fmt: skip
+
+    def total(self, results: dict) -> torch.Tensor:
+        """A summed op's loss: the upstream objective's total (the sum of its per-token terms, or, where no
+        gradient was made chunk by chunk, `Upstream.evaluate` over all tokens), or the summed losses."""
+        if self.upstream is None:
+            return results["loss"].sum()
+        if "objective" in results:
+            return self.upstream.finish_total(results["objective"].double().sum(), results)
+        return self.upstream.finish_total(self.upstream.evaluate(results), results)
+
+    def extra_outputs(self, results: dict) -> tuple[torch.Tensor, ...]:
+        return () if self.upstream is None else self.upstream.extra_outputs(results)
+
+    def _finish(self, state, partials, labels, s, e) -> dict:
+        plan = self.plan
+        if self.full_rows is None:
+            stats = finish(plan, combine_partials(partials, plan.tp_group), labels)
+        else:  # the full vocabulary's statistics beside the slots', in the same MAX and SUM
+            source, full_kernels = state["full"]
+            full = full_kernels.softmax_partials(
+                source(s, e), None, self.full_rows.math, entropy=False, target=False, sum_logits=False
+            )
+            both = combine_partials(torch.cat([partials, full.to(partials.dtype)]), plan.tp_group)
+            stats = finish(plan, both[: e - s], labels)
+            full_lse = both[e - s :, 0] + both[e - s :, 1].log()
+            stats["log_kept_mass"] = stats["lse"] - full_lse
+        if labels is not None and "logprobs" in stats:
+            valid = labels != plan.ignore_index
+            dropped = valid & torch.isneginf(stats["logprobs"])
+            if self.dropped_labels is not None:
+                dropped = dropped | self.dropped_labels[s:e]
+                stats["logprobs"] = torch.where(self.dropped_labels[s:e], -math.inf, stats["logprobs"])
+            if plan.sampling is not None or self.dropped_labels is not None:
+                stats["dropped"] = dropped
+        elif plan.sampling is not None:
+            stats["dropped"] = torch.zeros(e - s, dtype=torch.bool, device=partials.device)
+        return stats
+
+    def _upstream_of(self, s, e, stats) -> dict:
+        if self.upstream is not None:
+            grads, stats["objective"] = self.upstream(s, e, stats)
+            return grads
+        if self.grad_scale is None:
+            return {"loss": torch.ones_like(stats["lse"])}
+        return {"loss": self.grad_scale.to(stats["lse"].dtype).expand_as(stats["lse"])}
+
+    # -- backward (per-token ops)
+
+    def coefficients(self, saved: dict, grads: tuple) -> tuple[torch.Tensor | None, dict]:
+        """The upstream gradients of the returned outputs -> (``coef [N, 4]`` or None, what the chunks need)."""
+        upstream = dict(zip(self.plan.outputs, grads))
+        coef = grad_coefficients(self.plan, self.labels, saved["lse"], upstream, saved.get("dropped"))
+        entropy = saved.get("entropy") if upstream.get("entropy") is not None else None
+        return coef, dict(entropy=entropy, uniform_term=has_uniform_term(self.plan, upstream))
+
+    def backward_chunk(self, state, s, e, x, kernels, sink, saved: dict, coef, extra: dict) -> None:
+        out = sink.buffer(s, e, x)
+        keep_min, entropy = saved.get("keep_min"), extra["entropy"]
+        kernels.softmax_grad_(
+            x, None if self.labels is None else self.labels[s:e], saved["lse"][s:e],
+            None if entropy is None else entropy[s:e], coef[s:e], self.plan.math, out,
+            uniform_term=extra["uniform_term"], **({} if keep_min is None else {"keep_min": keep_min[s:e]}),
+        )  # fmt: skip
+        sink.consume(s, e, out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# two distributions
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergenceSpec:
+    """What the divergence is, beside the `LossPlan`: `beta`, and for a sparse teacher `tail`."""
+
+    beta: float
+    sparse: bool = False
+    tail: bool = True
+
+
+def divergence_rows(partials: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global per-row sums ``[c, 2]`` (`lmloss.kernels` contract) -> (loss ``[c]``, ``S`` ``[c]``), where
+    the student gradient w.r.t. its scaled logits is ``p_s * (u - S)`` (reverse KL, JSD) or ``p_s - p_t``
+    (forward KL: S unused)."""
+    if beta == 0.0:
+        return partials[:, 0], torch.zeros_like(partials[:, 0])
+    if beta == 1.0:
+        return partials[:, 0], partials[:, 0]
+    b_part = (1.0 - beta) * partials[:, 1]
+    return beta * partials[:, 0] + b_part, b_part
+
+
+def _lse(combined: torch.Tensor) -> torch.Tensor:
+    return combined[:, 0] + combined[:, 1].log()
+
+
+class _UpstreamWeights:
+    """The per-token weight of each row's loss in the gradient: the backward's upstream, or 1 / the summed
+    loss's scale; 0 at ignored tokens."""
+
+    def __init__(self, labels, ignore_index, upstream=None, grad_scale=None) -> None:
+        self.labels, self.ignore_index, self.upstream, self.grad_scale = labels, ignore_index, upstream, grad_scale
+
+    def valid(self, s, e):
+        return None if self.labels is None else self.labels[s:e] != self.ignore_index
+
+    def __call__(self, s, e, dtype, device) -> torch.Tensor:
+        if self.upstream is not None:
+            w = self.upstream[s:e].to(dtype)
+        elif self.grad_scale is not None:
+            w = self.grad_scale.to(dtype).expand(e - s)
+        else:
+            w = torch.ones(e - s, dtype=dtype, device=device)
+        valid = self.valid(s, e)
+        return w if valid is None else torch.where(valid, w, 0.0)
+
+
+class DivergenceObjective:
+    """Per-token divergence between the student's chunk and the teacher's (`teacher`, a chunk source of the
+    same columns). Per chunk: both distributions' statistics in ONE MAX and ONE SUM over the TP group, the
+    divergence's row sums (`divergence_partials`) and ONE SUM, and with a sink the student's gradient from
+    the same elementwise terms. In one process with no padded columns, kernels that normalise rows
+    themselves (``normalises_rows``) skip the statistics pass."""
+
+    def __init__(self, plan, spec: DivergenceSpec, make_teacher, labels, *, grad_scale=None) -> None:
+        self.plan, self.spec, self.make_teacher, self.labels = plan, spec, make_teacher, labels
+        self.weights = _UpstreamWeights(labels, plan.ignore_index, grad_scale=grad_scale)
+
+    def start(self, n_rows: int, device: torch.device) -> dict:
+        """A pass's own state: the teacher's source (``make_teacher(rows)``, with its own scratch)."""
+        return {"teacher": self.make_teacher(max(1, min(n_rows, self.plan.chunk_size or n_rows)))}
+
+    def total(self, results: dict) -> torch.Tensor:
+        return results["loss"].sum()
+
+    def extra_outputs(self, results: dict) -> tuple:
+        return ()
+
+    def result_keys(self):
+        return ("loss", "lse_student", "lse_teacher", "S")
+
+    def returned(self, results):
+        return (results["loss"],)
+
+    def saved(self, results):
+        return {k: results[k] for k in ("lse_student", "lse_teacher", "S")}
+
+    def _local_softmax(self, kernels) -> bool:
+        plan = self.plan
+        return kernels.normalises_rows and world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
+
+    def _lse(self, xs, xt, kernels):
+        if self._local_softmax(kernels):
+            return None
+        plan = self.plan
+        stats = [
+            kernels.softmax_partials(x, None, plan.math, entropy=False, target=False, sum_logits=False)
+            for x in (xs, xt)
+        ]
+        combined = combine_partials(torch.cat(stats).to(compute_dtype(xs.dtype)), plan.tp_group)
+        return _lse(combined).view(2, xs.shape[0]).t().contiguous()  # [c, 2]: student, teacher
+
+    def forward_chunk(self, state, s, e, xs, kernels, sink, *, overwrite: bool) -> dict:
+        plan, beta, teacher = self.plan, self.spec.beta, state["teacher"]
+        xt = teacher(s, e)
+        lse = self._lse(xs, xt, kernels)
+        overwrite = overwrite and getattr(teacher, "owns_chunks", False)
+        saved = {}
+
+        def finish_rows(partials):
+            all_reduce_sum_(partials, plan.tp_group)
+            loss, subtract = divergence_rows(partials, beta)
+            saved["S"] = subtract
+            if sink is None:
+                return loss, None
+            weight = self.weights(s, e, partials.dtype, partials.device)
+            return loss, torch.stack([weight, subtract], dim=1)
+
+        if sink is None:
+            loss = finish_rows(kernels.divergence_partials(xs, xt, lse, plan.math, beta, overwrite=overwrite))[0]
+        else:
+            out = sink.buffer(s, e, xs)
+            loss = kernels.divergence_partials_then_grad_(xs, xt, lse, plan.math, beta, finish_rows, out, overwrite=overwrite)
+            sink.consume(s, e, out)
+        valid = self.weights.valid(s, e)
+        stats = {"loss": loss if valid is None else torch.where(valid, loss, 0.0), "S": saved["S"]}
+        nan = torch.full((e - s,), math.nan, dtype=loss.dtype, device=loss.device)
+        stats["lse_student"], stats["lse_teacher"] = (nan, nan) if lse is None else lse.unbind(1)
+        return stats
+
+    def coefficients(self, saved, grads):
+        (g,) = grads
+        if g is None:
+            return None, {}
+        return True, {"weights": _UpstreamWeights(self.labels, self.plan.ignore_index, upstream=g)}
+
+    def backward_chunk(self, state, s, e, xs, kernels, sink, saved, coef, extra) -> None:
+        plan, teacher = self.plan, state["teacher"]
+        xt = teacher(s, e)
+        lse = None
+        if not self._local_softmax(kernels):
+            lse = torch.stack([saved["lse_student"][s:e], saved["lse_teacher"][s:e]], dim=1)
+        weight = extra["weights"](s, e, saved["S"].dtype, xs.device)
+        out = sink.buffer(s, e, xs)
+        overwrite = getattr(teacher, "owns_chunks", False) and out is xs
+        kernels.divergence_grad_(
+            xs, xt, lse, torch.stack([weight, saved["S"][s:e]], dim=1), plan.math, self.spec.beta, out,
+            overwrite=overwrite,
+        )  # fmt: skip
+        sink.consume(s, e, out)
+
+
+class SparseTeacherObjective:
+    """Forward KL against a teacher given as its top-k ids ``[N, K]`` (global) and log-probs ``[N, K]``: over
+    the K ids and the tail (the rest of the vocabulary: teacher mass ``1 - sum exp(lp)``, student mass
+    outside the ids), or renormalised over the K ids (``tail=False``). Per chunk: with the tail, the
+    student's statistics (MAX + SUM), then the student's logits at the ids (each TP rank contributes its
+    shard's, one SUM)."""
+
+    def __init__(self, plan, spec: DivergenceSpec, ids, logprobs, labels, *, grad_scale=None) -> None:
+        self.plan, self.spec, self.ids, self.logprobs, self.labels = plan, spec, ids, logprobs, labels
+        self.weights = _UpstreamWeights(labels, plan.ignore_index, grad_scale=grad_scale)
+
+    def start(self, n_rows: int, device: torch.device) -> dict:
+        return {}
+
+    def total(self, results: dict) -> torch.Tensor:
+        return results["loss"].sum()
+
+    def extra_outputs(self, results: dict) -> tuple:
+        return ()
+
+    def result_keys(self):
+        return ("loss", "lse_student", "log_student_at_ids")
+
+    def returned(self, results):
+        return (results["loss"],)
+
+    def saved(self, results):
+        return {k: results[k] for k in ("lse_student", "log_student_at_ids")}
+
+    def _state(self, s, e, x, kernels, lse=None, ls=None):
+        """(loss [c], (lq, ls, lse, q_tail, p_tail, idx, owned)); `lse` / `ls` given: from the forward's."""
+        plan, m = self.plan, self.plan.math
+        acc = compute_dtype(x.dtype)
+        ids = self.ids[s:e]
+        local = ids - m.vocab_start
+        owned = (local >= 0) & (local < m.valid)
+        idx = local.clamp(0, max(m.valid - 1, 0))
+        if ls is None:
+            picked = x.gather(1, idx).to(acc) * m.scale
+            y = torch.where(owned, picked, 0.0)
+            if self.spec.tail:
+                stats = kernels.softmax_partials(x, None, m, entropy=False, target=False, sum_logits=False)
+                lse = _lse(combine_partials(stats, plan.tp_group))
+            all_reduce_sum_(y, plan.tp_group)  # every id is owned by exactly one rank: the sum is its logit
+            ls = y - lse[:, None] if self.spec.tail else y - torch.logsumexp(y, -1, keepdim=True)
+        lq = self.logprobs[s:e].to(acc)
+        if self.spec.tail:
+            q_tail = (1.0 - lq.exp().sum(-1)).clamp(min=0.0)
+            p_tail = (1.0 - ls.exp().sum(-1)).clamp(min=torch.finfo(acc).tiny)
+            tail_term = torch.where(q_tail > 0, q_tail * (q_tail.log() - p_tail.log()), 0.0)
+        else:  # renormalised over the K ids
+            lq = lq - torch.logsumexp(lq, -1, keepdim=True)
+            q_tail = p_tail = tail_term = None
+        terms = torch.where(lq > -math.inf, lq.exp() * (lq - ls), 0.0)
+        loss = terms.sum(-1) + (tail_term if self.spec.tail else 0.0)
+        return loss, (lq, ls, lse, q_tail, p_tail, idx, owned)
+
+    def _grad_(self, x, state, weight, kernels, out):
+        """The student's gradient into `out`: ``p_s - q`` at the teacher's ids, and with the tail
+        ``p_s (1 - q_tail / p_tail)`` at every other column (0 there without the tail)."""
+        lq, ls, lse, q_tail, p_tail, idx, owned = state
+        m = self.plan.math
+        p_ids = ls.exp()
+        if self.spec.tail:
+            a = 1.0 - q_tail / p_tail
+            coef = torch.zeros((x.shape[0], 4), dtype=lse.dtype, device=x.device)
+            coef[:, 0] = torch.where(weight != 0, weight * a, 0.0)  # select: an ignored row's a may be NaN
+            kernels.softmax_grad_(x, None, lse, None, coef, m, out, uniform_term=False)
+            at_ids = p_ids * (1.0 - a)[:, None] - lq.exp()
+        else:
+            out.zero_()
+            at_ids = p_ids - lq.exp()
+        active = owned & (weight != 0)[:, None]
+        values = torch.where(active, at_ids * (weight * m.scale)[:, None], 0.0)
+        out.scatter_add_(1, idx, values.to(out.dtype))
+        return out
+
+    def forward_chunk(self, state, s, e, x, kernels, sink, *, overwrite: bool) -> dict:
+        loss, rows = self._state(s, e, x, kernels)
+        if sink is not None:
+            weight = self.weights(s, e, loss.dtype, x.device)
+            out = sink.buffer(s, e, x)
+            sink.consume(s, e, self._grad_(x, rows, weight, kernels, out))
+        valid = self.weights.valid(s, e)
+        lse = rows[2] if rows[2] is not None else torch.full_like(loss, math.nan)
+        return {"loss": loss if valid is None else torch.where(valid, loss, 0.0), "lse_student": lse,
+                "log_student_at_ids": rows[1]}  # fmt: skip
+
+    def coefficients(self, saved, grads):
+        (g,) = grads
+        if g is None:
+            return None, {}
+        return True, {"weights": _UpstreamWeights(self.labels, self.plan.ignore_index, upstream=g)}
+
+    def backward_chunk(self, state, s, e, x, kernels, sink, saved, coef, extra) -> None:
+        lse = saved["lse_student"][s:e] if self.spec.tail else None
+        _, rows = self._state(s, e, x, kernels, lse=lse, ls=saved["log_student_at_ids"][s:e])
+        weight = extra["weights"](s, e, rows[1].dtype, x.device)
+        out = sink.buffer(s, e, x)
+        sink.consume(s, e, self._grad_(x, rows, weight, kernels, out))
