@@ -72,13 +72,13 @@ def check_temperature(temperature: object) -> None:
         raise ValueError(f"temperature must be finite and >= {MIN_TEMPERATURE:g}, got {temperature}")
 
 
-def check_softcap(softcap: object) -> None:
+def check_softcap(softcap: object, name: str = "softcap") -> None:
     if softcap is None:
         return
     if not _is_real(softcap):
-        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+        raise TypeError(f"{name} must be a float or None, got {type(softcap).__name__}")
     if not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be finite and > 0 (or None for no capping), got {softcap}")
+        raise ValueError(f"{name} must be finite and > 0 (or None for no capping), got {softcap}")
 
 
 def check_ignore_index(ignore_index: object) -> None:

@@ -45,7 +45,8 @@ from lmloss import _validate
 from lmloss.chunks import HiddenRows, LogitRows, LogitsHead, auto_chunk_size
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
-from lmloss.kernels import ChunkScratch, compute_dtype
+from lmloss.kernels import ChunkMath, ChunkScratch, compute_dtype
+from lmloss.kernels.torch_ref import transform_into
 from lmloss.logits import reduce_loss
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, SparseTeacherObjective
 from lmloss.plan import make_plan
@@ -153,16 +154,39 @@ def _check_topk_values(ids, logprobs, valid, vocab_size: int, tail: bool) -> Non
         )
 
 
-def _options(*, beta, reduction, teacher_topk, tail):
+def _options(*, beta, reduction, teacher_topk, tail, teacher_softcap):
     beta = _check_beta(beta)
     _validate.check_reduction(reduction)
     if not isinstance(tail, bool):
         raise TypeError(f"tail must be a bool, got {tail!r}")
+    _validate.check_softcap(teacher_softcap, name="teacher_softcap")
+    if teacher_softcap and teacher_topk is not None:
+        raise ValueError("teacher_softcap applies to teacher logits; teacher_topk gives the teacher's log-probs")
     spec = DivergenceSpec(beta=beta, sparse=teacher_topk is not None, tail=tail)
     agree = dict(
-        beta=beta, sparse_teacher=int(spec.sparse), tail=int(tail), reduction=_validate.REDUCTIONS.index(reduction)
-    )
+        beta=beta, sparse_teacher=int(spec.sparse), tail=int(tail), reduction=_validate.REDUCTIONS.index(reduction),
+        teacher_softcap=float(teacher_softcap or 0.0),
+    )  # fmt: skip
     return spec, agree
+
+
+class CappedRows:
+    """A teacher's chunk source with its softcap applied as each chunk is read: ``cap * tanh(x / cap)`` in the
+    compute dtype (the PyTorch kernels' own transform), a fresh chunk."""
+
+    owns_chunks = True
+
+    def __init__(self, source, cap: float) -> None:
+        self.source, self.math = source, ChunkMath(vocab_start=0, valid=0, scale=1.0, softcap=cap)
+
+    def __call__(self, s: int, e: int) -> torch.Tensor:
+        x = self.source(s, e)
+        return transform_into(torch.empty(x.shape, dtype=compute_dtype(x.dtype), device=x.device), x, self.math)
+
+
+def capped(source, cap: float | None):
+    """`source`, or its chunks softcapped (`CappedRows`)."""
+    return source if not cap else CappedRows(source, float(cap))
 
 
 def _labels_for_count(labels: torch.Tensor | None, shape, ignore_index: int, device) -> torch.Tensor:
@@ -190,6 +214,8 @@ def distillation_loss(
     chunk_size: int | str | None = "auto",
     mean_group: ProcessGroup | None = None,
     impl: str = "auto",
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> torch.Tensor:
     """Divergence between the student's and the teacher's next-token distributions (TRL GKD semantics).
 
@@ -217,6 +243,10 @@ def distillation_loss(
             the K ids. Under TP every rank passes all K ids; each handles those in its shard.
         tp_group, vocab_start, vocab_size, chunk_size, impl: as in `lmloss.cross_entropy`;
             ``chunk_size="auto"`` sizes chunks from a memory budget (`lmloss.chunks.auto_chunk_size`).
+        softcap, teacher_softcap: Gemma's ``final_logit_softcapping`` of the student and of the teacher
+            (``cap * tanh(logits / cap)`` before the temperature; None for none). The student's goes
+            through the kernels' transform (and its gradient); the teacher's is applied to each teacher
+            chunk as it is read (not with `teacher_topk`: its log-probs are given).
 
     Returns:
         A scalar (``"mean"`` / ``"sum"``), or per-token losses ``[...]`` (``"none"``); the same on every TP
@@ -228,8 +258,11 @@ def distillation_loss(
         _validate.check_floating("student_logits", student_logits)
         if student_logits.dim() < 1:
             raise ValueError("student_logits must have at least one dimension (the vocabulary)")
-        spec, agree = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
+        spec, agree = _options(
+            beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail, teacher_softcap=teacher_softcap
+        )
         _validate.check_temperature(temperature)
+        _validate.check_softcap(softcap)
         _validate.check_group("mean_group", mean_group)
         leading = student_logits.shape[:-1]
         if (teacher_logits is None) == (teacher_topk is None):
@@ -251,11 +284,13 @@ def distillation_loss(
 
     plan = make_plan(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
-        chunk_size=chunk_size, auto_chunk=auto_chunk, temperature=temperature, softcap=None,
+        chunk_size=chunk_size, auto_chunk=auto_chunk, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, agree=agree, tensors=_tensors(topk, flat_labels, ignore_index),
     )  # fmt: skip
-    objective = _objective(plan, spec, topk, flat_labels, lambda rows: LogitRows(teacher.reshape(-1, v_local)))
+    objective = _objective(
+        plan, spec, topk, flat_labels, lambda rows: capped(LogitRows(teacher.reshape(-1, v_local)), teacher_softcap)
+    )
     (per_token,) = PerTokenLoss.apply(Op(plan, LogitsHead, objective), student_logits.reshape(-1, v_local))
     return reduce_loss(
         per_token.view(leading), _labels_for_count(labels, leading, ignore_index, device),
@@ -332,6 +367,8 @@ def linear_distillation_loss(
     mean_group: ProcessGroup | None = None,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
 ) -> torch.Tensor:
     """`distillation_loss` of ``student_hidden @ student_weight.T`` against ``teacher_hidden @
     teacher_weight.T``, without materializing either ``[tokens, V]`` logits.
@@ -355,7 +392,9 @@ def linear_distillation_loss(
 
     def checks(expected):
         nonlocal spec
-        spec, options = _options(beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail)
+        spec, options = _options(
+            beta=beta, reduction=reduction, teacher_topk=teacher_topk, tail=tail, teacher_softcap=teacher_softcap
+        )
         agree.update(options)
         _validate.check_temperature(temperature)
         if (teacher_hidden is None) != (teacher_weight is None):
@@ -372,7 +411,7 @@ def linear_distillation_loss(
 
     p = prepare(
         student_hidden, student_weight, labels, None, chunk_size=chunk_size, temperature=temperature,
-        softcap=None, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
+        softcap=softcap, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
         vocab_start=vocab_start, sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype,
         impl=impl, outputs=("loss",), agree=agree, reduction=reduction, mean_group=mean_group,
         bytes_per_logit=bytes_per_logit(student_weight.dtype, beta if isinstance(beta, float) else 0.0, fused=True),
@@ -388,7 +427,7 @@ def linear_distillation_loss(
 
         def make_teacher(rows):
             scratch = ChunkScratch(rows, t_weight.shape[0], t_weight.device)
-            return HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype)
+            return capped(HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype), teacher_softcap)
 
     if reduction == "none":
         objective = _objective(p.plan, spec, topk, p.labels, make_teacher)

@@ -189,22 +189,31 @@ def token_entropy(
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
+    support: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``p = softmax(softcap(logits) / temperature)`` over the global
-    vocabulary (over the kept set, renormalised, with top_k / top_p / min_p). `logits` ``[..., V_local]``
-    -> fp32 ``[...]``, differentiable. Arguments as in `token_logprobs`."""
+    vocabulary (over the kept set, renormalised, with top_k / top_p / min_p or a replayed `support`).
+    `logits` ``[..., V_local]`` -> fp32 ``[...]``, differentiable. Arguments as in `token_logprobs`."""
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         _check_logits(logits, None)
         n_tokens = math.prod(logits.shape[:-1])
-        sampling = make_sampling(top_k, top_p, min_p, n_tokens=n_tokens, device=logits.device)
+        if support is None:
+            sampling = make_sampling(top_k, top_p, min_p, n_tokens=n_tokens, device=logits.device)
+        else:
+            sampling = None
+            support = replay.check_arguments(support, n_tokens, logits.device, vocab_size, (top_k, top_p, min_p), False)
     plan = _plan(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
-        agree=_agree(logits), sampling=sampling,
+        agree=_agree(logits), sampling=sampling, support=support,
     )  # fmt: skip
     flat, _ = _flat(logits, None)
-    (entropy,) = PerTokenLoss.apply(Op(plan, LogitsHead, SoftmaxObjective(plan, None)), flat)
+    if support is None:
+        op = Op(plan, LogitsHead, SoftmaxObjective(plan, None))
+    else:
+        op = replay.op_over_slots(plan, LogitsHead, (flat,), None, support, False)
+    (entropy,) = PerTokenLoss.apply(op, flat)
     return entropy.view(logits.shape[:-1])
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from lmloss.kernels import compute_dtype, make_kernels
+from lmloss.kernels.torch_ref import transform_into
 from lmloss.sampling import keep_thresholds
 from lmloss.vocab_parallel import all_reduce_sum_, combine_partials, world_size
 
@@ -379,9 +380,10 @@ class DivergenceObjective:
         if self._local_softmax(kernels):
             return None
         plan = self.plan
+        teacher_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied its own softcap
         stats = [
-            kernels.softmax_partials(x, None, plan.math, entropy=False, target=False, sum_logits=False)
-            for x in (xs, xt)
+            kernels.softmax_partials(x, None, m, entropy=False, target=False, sum_logits=False)
+            for x, m in ((xs, plan.math), (xt, teacher_math))
         ]
         combined = combine_partials(torch.cat(stats).to(compute_dtype(xs.dtype)), plan.tp_group)
         return _lse(combined).view(2, xs.shape[0]).t().contiguous()  # [c, 2]: student, teacher
@@ -474,7 +476,7 @@ class SparseTeacherObjective:
         owned = (local >= 0) & (local < m.valid)
         idx = local.clamp(0, max(m.valid - 1, 0))
         if ls is None:
-            picked = x.gather(1, idx).to(acc) * m.scale
+            picked = transform_into(torch.empty(idx.shape, dtype=acc, device=x.device), x.gather(1, idx), m)
             y = torch.where(owned, picked, 0.0)
             if self.spec.tail:
                 stats = kernels.softmax_partials(x, None, m, entropy=False, target=False, sum_logits=False)
@@ -498,6 +500,10 @@ class SparseTeacherObjective:
         ``p_s (1 - q_tail / p_tail)`` at every other column (0 there without the tail)."""
         lq, ls, lse, q_tail, p_tail, idx, owned = state
         m = self.plan.math
+        slope = m.scale
+        if m.softcap:  # dy/dx at the ids, scale * (1 - tanh^2), read before `out` (maybe x) is written
+            t = torch.tanh(x.gather(1, idx).to(ls.dtype) / m.softcap)
+            slope = (1.0 - t * t) * m.scale
         p_ids = ls.exp()
         if self.spec.tail:
             a = 1.0 - q_tail / p_tail
@@ -509,7 +515,7 @@ class SparseTeacherObjective:
             out.zero_()
             at_ids = p_ids - lq.exp()
         active = owned & (weight != 0)[:, None]
-        values = torch.where(active, at_ids * (weight * m.scale)[:, None], 0.0)
+        values = torch.where(active, at_ids * slope * weight[:, None], 0.0)
         out.scatter_add_(1, idx, values.to(out.dtype))
         return out
 

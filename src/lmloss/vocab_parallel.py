@@ -86,7 +86,7 @@ HOST_FIELDS = (
     "reduction", "dtype", "grad", "mean_group", "n_tokens", "hidden_width", "sequence_parallel", "chunk_size",
     "chunk_budget", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
     # lmloss.distill: the divergence and the teacher
-    "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width",
+    "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width", "teacher_softcap",
     # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation; a replayed support's width
     "top_k_max", "top_p", "min_p", "log_kept_mass", "slots",
     # an objective's options beyond these (RL policy options, distillation softcaps...): a hash of them, and
@@ -102,7 +102,7 @@ TENSOR_FIELDS = (
     "top_k", "top_p", "min_p", "support", "teacher_ids", "teacher_logprobs",
 )  # fmt: skip
 FLOAT_FIELDS = frozenset(
-    {"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "beta", "top_p", "min_p"}
+    {"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "beta", "top_p", "min_p", "teacher_softcap"}
 )
 #: Bytes of each rank's error message in the second gather (made only when some rank failed a check).
 MESSAGE_BYTES = 512

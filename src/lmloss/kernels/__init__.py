@@ -46,7 +46,9 @@ one pass.
 **Two distributions** (the student / teacher divergences of `lmloss.distill`). For a student chunk ``xs``
 and a teacher chunk ``xt`` (the same ``[c, V_local]`` columns; the teacher may have another float dtype)
 with their global log-sum-exps ``lse [c, 2]`` (student, teacher; from `softmax_partials` of each, combined),
-write ``ls = scale * xs - lse[:, 0]``, ``lt = scale * xt - lse[:, 1]`` over the valid columns and
+write ``ls = scale * softcap(xs) - lse[:, 0]`` (the math's softcap is the student's) and
+``lt = scale * xt - lse[:, 1]`` (a teacher's own softcap is applied by its chunk source) over the valid
+columns and
 ``p_s = exp(ls)``, ``p_t = exp(lt)``; for ``0 < beta < 1``, ``log m = logaddexp(ls + log(1 - beta),
 lt + log(beta))``. A column where a probability is 0 adds exactly 0 to the sums that weight by it.
 
@@ -61,8 +63,9 @@ the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), w
 
 ``divergence_grad_(xs, xt, lse, coef, math, beta, out, *, overwrite) -> out`` writes, from per-row
 ``coef [c, 2]`` = (weight ``w``, ``S``: from the global sums, `lmloss.distill.divergence_rows`),
-``out = w * scale * g`` with ``g = p_s - p_t`` (beta 0), ``p_s (ls - lt - S)`` (beta 1),
-``p_s ((1 - beta)(ls - log m) - S)`` (otherwise); padded columns and rows with ``w == 0`` get exactly 0.
+``out = w * g * dy/dx`` with ``g = p_s - p_t`` (beta 0), ``p_s (ls - lt - S)`` (beta 1),
+``p_s ((1 - beta)(ls - log m) - S)`` (otherwise) and ``dy/dx`` the student's (``scale``, times
+``1 - tanh^2`` with softcap); padded columns and rows with ``w == 0`` get exactly 0.
 ``divergence_partials_then_grad_(xs, xt, lse, math, beta, finish, out, *, overwrite) -> result`` does both,
 calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
 scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`

@@ -11,6 +11,7 @@ Row sums are taken as ``bmm([c, 1, V] x [c, V, 1])``: a row-wise dot product wit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -86,19 +87,23 @@ class TorchDistillKernels(TorchKernels):
         partials = torch.zeros((rows, 2), dtype=acc, device=xs.device)
         if n_valid == 0:
             return partials, None
+        # the student's softcap slope, before its chunk may be overwritten; the teacher comes capped by its
+        # source, so only the temperature applies to it
+        slope = self._softcap_slope(xs, math_, "slope")
         ls = self._log_softmax("ls", xs, None if lse is None else lse[:, 0], math_, overwrite)
-        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], math_, overwrite)
+        teacher_math = dataclasses.replace(math_, softcap=0.0)
+        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], teacher_math, overwrite)
         w = self.scratch.get("y", rows, n_valid, acc)
         if beta == 0.0:  # sum p_t (lt - ls); the gradient is p_s - p_t
             torch.exp(lt, out=w)  # p_t
             lt.sub_(ls)
             partials[:, 0] = _rowdot(w, lt)
-            return partials, ("forward", ls, w)
+            return partials, ("forward", slope, ls, w)
         if beta == 1.0:  # sum p_s (ls - lt); the gradient is p_s (ls - lt - L)
             torch.exp(ls, out=w)  # p_s
             torch.sub(ls, lt, out=lt)
             partials[:, 0] = _rowdot(w, lt)
-            return partials, ("reverse", ls, lt, w)
+            return partials, ("reverse", slope, ls, lt, w)
         # log m = logaddexp(ls + log(1 - beta), lt + log(beta)); the two KLs against m
         v = self.scratch.get("v", rows, n_valid, acc)
         torch.add(ls, math.log1p(-beta), out=w)
@@ -110,22 +115,24 @@ class TorchDistillKernels(TorchKernels):
         torch.exp(ls, out=v)  # p_s
         ls.sub_(w)
         partials[:, 1] = _rowdot(v, ls)  # sum p_s (ls - log m)
-        return partials, ("jsd", ls, v)
+        return partials, ("jsd", slope, ls, v)
 
     def _grad(self, state, coef, math_: ChunkMath, beta: float, out):
         """``out = coef[:, 0] * scale * g(coef[:, 1])``; rows whose weight is 0 get exactly 0."""
         n_valid = math_.valid
         if state is None:
             return out.zero_()
-        kind, ls = state[0], state[1]
+        kind, slope, ls = state[0], state[1], state[2]
         weight, subtract = coef[:, 0:1], coef[:, 1:2]
         if kind == "forward":  # p_s - p_t
-            g = ls.exp_().sub_(state[2])
+            g = ls.exp_().sub_(state[3])
         elif kind == "reverse":  # p_s * ((ls - lt) - L), written over ls (free once ls - lt exists)
-            _, _, diff, p_s = state
+            diff, p_s = state[3], state[4]
             g = torch.sub(diff, subtract, out=ls).mul_(p_s)
         else:  # p_s * ((1 - beta)(ls - log m) - S)
-            g = ls.mul_(1.0 - beta).sub_(subtract).mul_(state[2])
+            g = ls.mul_(1.0 - beta).sub_(subtract).mul_(state[3])
+        if slope is not None:  # the student's softcap: dy/dx = scale * (1 - tanh^2)
+            g.mul_(slope)
         g.mul_(weight * math_.scale)
         inactive = coef[:, 0] == 0
         if torch.compiler.is_compiling() or bool(inactive.any()):

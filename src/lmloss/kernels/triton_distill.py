@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lmloss.kernels import ChunkMath
-from lmloss.kernels.triton_kernels import TritonKernels
+from lmloss.kernels.triton_kernels import TritonKernels, math_args, transform
 
 #: (largest V, BLOCK_V, num_warps): the first row whose V fits wins; BLOCK_V is capped at next_pow2(V).
 BLOCKS: tuple[tuple[float, int, int], ...] = ((1024, 1024, 4), (float("inf"), 4096, 8))
@@ -33,13 +33,16 @@ def _mode(beta: float) -> int:
 
 
 @triton.jit
-def _log_probs(xs_row, xt_row, cols, mask, scale, lse_s, lse_t):
-    # ls, lt = scale * x - lse over the columns in `mask`; -inf elsewhere (probability 0)
-    ys = tl.load(xs_row + cols, mask=mask, other=0.0).to(tl.float32)
+def _log_probs(xs_row, xt_row, cols, mask, scale, inv_cap, cap_scale, lse_s, lse_t, SCALE: tl.constexpr,
+               SOFTCAP: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    # ls = scale * softcap(xs) - lse_s (the student's transform, `transform`), lt = scale * xt - lse_t (the
+    # teacher comes capped by its source) over the columns in `mask`; -inf elsewhere (probability 0). th:
+    # tanh(xs / cap) for the gradient's softcap slope.
+    ys, th = transform(tl.load(xs_row + cols, mask=mask, other=0.0), scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
     yt = tl.load(xt_row + cols, mask=mask, other=0.0).to(tl.float32)
-    ls = tl.where(mask, ys * scale - lse_s, -float("inf"))
+    ls = tl.where(mask, ys - lse_s, -float("inf"))
     lt = tl.where(mask, yt * scale - lse_t, -float("inf"))
-    return ls, lt
+    return ls, lt, th
 
 
 @triton.jit
@@ -56,8 +59,8 @@ def _log_mixture(ls, lt, log1m_beta, log_beta):
 # KL), 2 (generalized JSD); a term whose weighting probability is 0 adds exactly 0.
 @triton.jit
 def _divergence_partials_kernel(
-    xs_ptr, xs_stride, xt_ptr, xt_stride, lse_ptr, out_ptr, valid, scale, log1m_beta, log_beta,
-    MODE: tl.constexpr, BLOCK_V: tl.constexpr,
+    xs_ptr, xs_stride, xt_ptr, xt_stride, lse_ptr, out_ptr, valid, scale, inv_cap, cap_scale, log1m_beta, log_beta,
+    MODE: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     xs_row, xt_row = xs_ptr + row * xs_stride, xt_ptr + row * xt_stride
@@ -67,7 +70,8 @@ def _divergence_partials_kernel(
     acc1 = 0.0
     for start in range(0, valid, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        ls, lt = _log_probs(xs_row, xt_row, cols, cols < valid, scale, lse_s, lse_t)
+        ls, lt, _ = _log_probs(xs_row, xt_row, cols, cols < valid, scale, inv_cap, cap_scale, lse_s, lse_t,
+                               SCALE, SOFTCAP, FAST)  # fmt: skip
         ps = tl.exp(ls)
         pt = tl.exp(lt)
         if MODE == 0:
@@ -88,7 +92,8 @@ def _divergence_partials_kernel(
 @triton.jit
 def _divergence_grad_kernel(
     xs_ptr, xs_stride, xt_ptr, xt_stride, lse_ptr, coef_ptr, out_ptr, out_stride, valid, n_cols, scale,
-    one_minus_beta, log1m_beta, log_beta, MODE: tl.constexpr, BLOCK_V: tl.constexpr,
+    inv_cap, cap_scale, one_minus_beta, log1m_beta, log_beta, MODE: tl.constexpr, BLOCK_V: tl.constexpr,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -97,7 +102,8 @@ def _divergence_grad_kernel(
     mask = cols < tl.where(w != 0, valid, 0)  # an inactive row reads nothing
     lse_s = tl.load(lse_ptr + row * 2)
     lse_t = tl.load(lse_ptr + row * 2 + 1)
-    ls, lt = _log_probs(xs_ptr + row * xs_stride, xt_ptr + row * xt_stride, cols, mask, scale, lse_s, lse_t)
+    ls, lt, th = _log_probs(xs_ptr + row * xs_stride, xt_ptr + row * xt_stride, cols, mask, scale, inv_cap,
+                            cap_scale, lse_s, lse_t, SCALE, SOFTCAP, FAST)  # fmt: skip
     ps = tl.exp(ls)
     if MODE == 0:
         g = ps - tl.exp(lt)
@@ -106,6 +112,8 @@ def _divergence_grad_kernel(
     else:
         lm = _log_mixture(ls, lt, log1m_beta, log_beta)
         g = tl.where(ps > 0, ps * (one_minus_beta * (ls - lm) - subtract), 0.0)
+    if SOFTCAP:
+        g = g * (1.0 - th * th)
     g = tl.where(mask, g * (w * scale), 0.0)
     tl.store(out_ptr + row * out_stride + cols, g.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
@@ -151,9 +159,10 @@ class TritonDistillKernels(TritonKernels):
         mode, log1m, log_b = self._params(beta)
         block, warps = _block(math_.valid, self.block_v)
         lse = lse.to(torch.float32).contiguous()
+        values, flags = math_args(math_, xs)
         _divergence_partials_kernel[(rows,)](
-            xs, xs.stride(0), xt, xt.stride(0), lse, out, math_.valid, math_.scale, log1m, log_b,
-            MODE=mode, BLOCK_V=block, num_warps=warps,
+            xs, xs.stride(0), xt, xt.stride(0), lse, out, math_.valid, *values, log1m, log_b,
+            MODE=mode, BLOCK_V=block, num_warps=warps, **flags,
         )  # fmt: skip
         return out
 
@@ -168,9 +177,10 @@ class TritonDistillKernels(TritonKernels):
         block, warps = _block(n_cols, self.block_v)
         lse = lse.to(torch.float32).contiguous()
         coef = coef.to(torch.float32).contiguous()
+        values, flags = math_args(math_, xs)
         _divergence_grad_kernel[(rows, triton.cdiv(n_cols, block))](
-            xs, xs.stride(0), xt, xt.stride(0), lse, coef, out, out.stride(0), math_.valid, n_cols, math_.scale,
-            1.0 - beta, log1m, log_b, MODE=mode, BLOCK_V=block, num_warps=warps,
+            xs, xs.stride(0), xt, xt.stride(0), lse, coef, out, out.stride(0), math_.valid, n_cols, *values,
+            1.0 - beta, log1m, log_b, MODE=mode, BLOCK_V=block, num_warps=warps, **flags,
         )  # fmt: skip
         return out
 

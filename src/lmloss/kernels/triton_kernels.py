@@ -50,6 +50,8 @@ __all__ = [
     "TritonKernels",
     "scale_by_device_scalar_",
     "scaled_cast_by_device_scalar",
+    "transform",
+    "math_args",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
@@ -125,7 +127,7 @@ def _tanh(z, FAST: tl.constexpr):
 
 
 @triton.jit
-def _transform(x, scale, inv_cap, cap_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST: tl.constexpr):
+def transform(x, scale, inv_cap, cap_scale, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST: tl.constexpr):
     # y = scale * cap * tanh(x / cap) in fp32 (cap_scale = cap * scale), and tanh for the backward's slope;
     # without softcap a multiply only when scale != 1 (SCALE)
     x = x.to(tl.float32)
@@ -205,7 +207,7 @@ def _softmax_partials_kernel(
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
         x_t = tl.load(x_row + local, mask=owned, other=0.0)
-        y_t, th_t = _transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        y_t, th_t = transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
         target = tl.where(owned, y_t, 0.0)
@@ -218,7 +220,7 @@ def _softmax_partials_kernel(
     sum_y = tl.zeros([BLOCK_V], tl.float32)
     for k in range(0, n_main, BLOCK_V):
         x = tl.load(x_main + k + offs)
-        y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             kept = x.to(tl.float32) >= keep
             if SUM_LOGITS:
@@ -232,7 +234,7 @@ def _softmax_partials_kernel(
         j = e0 + offs
         mask = j < n_edge
         x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
-        y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             mask = mask & (x.to(tl.float32) >= keep)
         y = tl.where(mask, y, -float("inf"))
@@ -251,7 +253,7 @@ def _softmax_partials_kernel(
 @triton.jit
 def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
                 FAST: tl.constexpr):  # fmt: skip
-    # One block of the gradient from y (x after _transform, in fp32) with the row's coefficients already
+    # One block of the gradient from y (x after transform, in fp32) with the row's coefficients already
     # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)), times (1 - th^2).
     # j_label: whether each lane holds the label's column. lse2 = lse * log2(e).
     if ENTROPY:
@@ -315,7 +317,7 @@ def _softmax_grad_kernel(
     offs = tl.arange(0, BLOCK_V)
     for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
         x = tl.load(x_main + kb + offs)
-        y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
         if KEEP:
             g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
@@ -327,7 +329,7 @@ def _softmax_grad_kernel(
             cols = _edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < valid)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
-            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
             if KEEP:
                 in_vocab = in_vocab & (x.to(tl.float32) >= keep)
@@ -362,7 +364,7 @@ def _cross_entropy_loss_grad_kernel(
         live = label != ignore_index
         n_read = tl.where(live, valid, 0)  # an ignored row is neither read nor given a gradient
         owned = live & (label >= 0) & (label < valid)
-        y_t, th_t = _transform(tl.load(x_ptr + x_start + label, mask=owned, other=0.0), scale, inv_cap, cap_scale,
+        y_t, th_t = transform(tl.load(x_ptr + x_start + label, mask=owned, other=0.0), scale, inv_cap, cap_scale,
                             SCALE, SOFTCAP, FAST)  # fmt: skip
         y_t = tl.where(owned, y_t, 0.0)
         head, n_main = _row_split(x_start, n_read, ALIGN, BLOCK_V)
@@ -378,14 +380,14 @@ def _cross_entropy_loss_grad_kernel(
             mask = j < n_edge
             x = tl.load(x_ptr + x_start + _edge_cols(j, head, n_main), mask=mask, other=0.0,
                         eviction_policy="evict_last")  # fmt: skip
-            y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             y = tl.where(mask, y, -float("inf"))
             m, s, _ = _lane_step(m, s, s, y, False, FAST)
             if SMOOTHING:
                 sum_y += tl.where(mask, y, 0.0)
         for kb in range(0, n_main, BLOCK_V):
             x = tl.load(x_main + kb + offs, eviction_policy="evict_last")
-            y, _ = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             m, s, _ = _lane_step(m, s, s, y, False, FAST)
             if SMOOTHING:
                 sum_y += y
@@ -414,7 +416,7 @@ def _cross_entropy_loss_grad_kernel(
         for i in range(0, n_main, BLOCK_V):
             kb = n_main - BLOCK_V - i
             x = tl.load(x_main + kb + offs, eviction_policy="evict_first")
-            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
             tl.store(o_main + kb + offs, g.to(out_ptr.dtype.element_ty), eviction_policy="evict_first")
         n_edge = n_cols - n_main  # the head, the tail and the padded columns (zeros); all of an ignored row
@@ -423,7 +425,7 @@ def _cross_entropy_loss_grad_kernel(
             cols = _edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < n_read)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first")
-            y, th = _transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
             g = tl.where(in_vocab, g, 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge,
@@ -475,7 +477,7 @@ def alignment(*rows: torch.Tensor) -> int:
     return align if aligned and len({t.stride(0) % align for t in rows}) == 1 else 1
 
 
-def _math_args(math: ChunkMath, x: torch.Tensor) -> tuple[tuple[float, float, float], dict]:
+def math_args(math: ChunkMath, x: torch.Tensor) -> tuple[tuple[float, float, float], dict]:
     """``(scale, 1 / cap, cap * scale)`` and the constexprs SCALE, SOFTCAP, FAST shared by the kernels."""
     cap = float(math.softcap or 0.0)
     scale = float(math.scale)
@@ -532,7 +534,7 @@ def softmax_partials(
     if rows == 0:
         return out
     block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
-    values, flags = _math_args(math, x)
+    values, flags = math_args(math, x)
     with _device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
@@ -598,7 +600,7 @@ def softmax_grad_(
         return out
     if splits is None:  # split the vocabulary only when the rows alone leave programs idle
         splits = min(triton.cdiv(n_cols, block), triton.cdiv(_programs(x.device), rows))
-    values, flags = _math_args(math, x)
+    values, flags = math_args(math, x)
     with _device_guard(x):
         _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
@@ -682,7 +684,7 @@ def cross_entropy_loss_and_grad_(
     warps = num_warps or warps
     if programs is None:
         programs = _programs(x.device) // 4 * per_sm
-    values, flags = _math_args(math, x)
+    values, flags = math_args(math, x)
     with _device_guard(x):
         _cross_entropy_loss_grad_kernel[(max(1, min(rows, programs)),)](
             x, x.stride(0), out, out.stride(0), labels, res, grad_scale, rows, n_cols, vocab_size,

@@ -14,7 +14,8 @@ sequence, not known until every chunk is done) falls back to `lmloss.linear_toke
 Under the sampler's distribution (``top_k`` / ``top_p`` / ``min_p``, or a replayed ``support``) the
 log-probs and entropies are those of the kept set, renormalised, and the gradient stays on the kept set;
 a token whose label lies outside it (log-prob -inf: the trainer's truncation differs from the engine's)
-is left out of the objective, with a warning.
+is left out of the objective, with a warning: its term is 0, while the aggregation's denominators, fixed
+by the caller's mask once per batch, still count it.
 """
 
 from __future__ import annotations
