@@ -96,9 +96,10 @@ def test_plan_holds_the_only_chunk_loops():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "chunks":
                 walkers.append(_module_name(path))
             # a hand-written walk: for s in range(0, n, chunk)
-            if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and ast.unparse(node.iter.func) == "range":
-                if len(node.iter.args) == 3 and "chunk" in ast.unparse(node.iter.args[2]):
-                    walkers.append(_module_name(path))
+            walk = isinstance(node, ast.For) and isinstance(node.iter, ast.Call)
+            ranged = walk and ast.unparse(node.iter.func) == "range" and len(node.iter.args) == 3
+            if ranged and "chunk" in ast.unparse(node.iter.args[2]):
+                walkers.append(_module_name(path))
     assert set(walkers) == {"lmloss.plan"}
 
 
