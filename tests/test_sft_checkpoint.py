@@ -196,6 +196,22 @@ def test_resume_trains_on_at_the_original_schedule_and_needs_more_steps(full, tm
     assert _rows(out)[-1]["step"] == 9 and _rows(out)[-1]["lr"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_run_that_saves_checkpoints_ends_by_naming_them_and_how_to_train_on(full, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(full, out)
+    code, printed, err = _sft(capsys, out, "--resume", "latest", "--steps", "7")
+    assert code == 0, err
+    shown, where, then = printed.splitlines()[-3:]
+    assert shown.startswith("shown: a 0.16M-parameter LlamaForCausalLM trained 7 steps (resumed after step 6) on "
+                            "dp=1 cp=1 tp=1, loss ")  # fmt: skip
+    assert where == (f"outputs: {out}/ (metrics.jsonl, summary.json, tokenizer.json); checkpoints: "
+                     f"{out / 'checkpoints'}/ (step_2 .. step_7)")  # fmt: skip
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_2", "step_4", "step_6", "step_7"]
+    assert then.startswith("next: the same command with --resume latest --steps 14 (not --overwrite) trains on "
+                           "from step_7; --tp 2 --nproc 2 shards the LM head over 2 ranks;")  # fmt: skip
+
+
 def test_resume_with_another_tp_stops_before_any_process_starts(full, tmp_path, capsys):
     code, _, err = _sft(
         capsys, full, "--resume", "latest", "--steps", "8", "--tp", "2", "--vocab-size", "512"

@@ -476,7 +476,7 @@ class PlainProgress:
 
 
 def _progress(total: int):
-    """A tqdm bar on stderr, or `PlainProgress` lines where tqdm is missing (it comes with lmloss[bench])."""
+    """A tqdm bar on stderr, or `PlainProgress` lines where tqdm is missing (it comes with the bench extra)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
