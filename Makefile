@@ -24,6 +24,8 @@ TORCH_CONSTRAINT := $(VENV)/torch-constraint.txt
 
 venv: $(STAMP)
 
+# The constraint takes torch's version from its metadata: `import torch` before numpy is installed (the extras
+# bring it) would print torch's "Failed to initialize NumPy" warning during the build.
 $(BASE_STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "torch found in $(PYTHON): the venv reuses it"; \
@@ -34,7 +36,7 @@ $(BASE_STAMP): pyproject.toml
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(PY) -m pip install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; \
 	fi
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_CONSTRAINT)
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(TORCH_CONSTRAINT)
 	@rm -f $(VENV)/.torch-* $(VENV)/.installed-*; touch $@
 
 $(STAMP): $(BASE_STAMP)

@@ -47,6 +47,9 @@ def _why_not_run(code: str) -> str | None:
         return "transformers is not installed (optional)"
     if "Trainer(" in code and importlib.util.find_spec("accelerate") is None:
         return "transformers.Trainer needs accelerate"
+    for module in ("trl", "datasets", "tokenizers"):
+        if f"import {module}" in code and importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (optional: the trl extra)"
     return None
 
 
@@ -112,6 +115,7 @@ def test_the_page_has_a_block_for_every_stack():
     assert len(BLOCKS) >= 6
     for stack in ("Hugging Face", "Trainer", "FSDP2", "RL scoring", "Megatron"):
         assert any(stack in h for h in headings), stack
+    assert any("trl.SFTTrainer" in code for _, code in BLOCKS)  # TRL's SFTTrainer runs, not only described
 
 
 @pytest.mark.parametrize(

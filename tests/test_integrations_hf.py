@@ -112,6 +112,59 @@ def test_gemma2_softcap_matches_transformers():
     torch.testing.assert_close(lp[:, 1:][mask[:, 1:] == 1].double(), want_lp[mask[:, 1:] == 1], **TOL)
 
 
+@pytest.mark.parametrize("after", [30.0, None], ids=["cap30", "no_cap"])
+def test_a_softcap_changed_after_patch_is_read_by_the_patched_forward(after):
+    reference = tiny_model("gemma2", softcap=5.0)
+    with torch.no_grad():  # logits of size ~6, so that a cap of 5 and one of 30 give far apart losses
+        reference.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    capped_at_5 = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    for model in (reference, patched):
+        model.config.final_logit_softcapping = after
+    want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(want.loss.item() - capped_at_5.item()) > 1.0  # the change matters to transformers' loss
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert_same_grads(got_grads, want_grads)
+    lp = hf.token_logprobs(patched, ids, attention_mask=mask)
+    logits = reference(ids, attention_mask=mask).logits.double()
+    want_lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp[:, 1:][mask[:, 1:] == 1].double(), want_lp[mask[:, 1:] == 1], **TOL)
+
+
+def test_a_scale_the_model_kept_from_construction_is_followed_when_its_config_changes_after_patch():
+    # Cohere copies config.logit_scale into the module when it is built: changing the config afterwards
+    # changes nothing in transformers' forward, and must change nothing in the patched one either
+    config = transformers.CohereConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.CohereForCausalLM(config)
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+    for model in (reference, patched):
+        model.config.logit_scale = 4.0
+    want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert_same_grads(got_grads, want_grads)
+
+
+def test_a_config_changed_after_patch_to_what_lmloss_cannot_check_or_compute_is_refused_at_the_forward():
+    ids, mask, labels = batch()
+    patched = hf.patch(tiny_model("gemma2", softcap=5.0), verify=False)
+    patched.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM's loss: its config changed after patch\(verify=Fals"
+                       r"e\) \(final_logit_softcapping=5.0 -> final_logit_softcapping=30.0\)"):  # fmt: skip
+        patched(input_ids=ids, attention_mask=mask, labels=labels)
+    patched = hf.patch(tiny_model("gemma2", softcap=5.0))
+    patched.config.logits_scaling = -1.0  # a Granite field on a Gemma config: still read, and refused
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM's loss: config.logits_scaling=-1.0 is not a positive"):
+        patched(input_ids=ids, attention_mask=mask, labels=labels)
+
+
 def test_without_labels_logits_come_back_unchanged_and_kwargs_pass_through():
     reference = tiny_model("llama")
     patched = hf.patch(copy.deepcopy(reference))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -202,6 +203,74 @@ def test_fused_path_matches_the_float64_reference():
     torch.testing.assert_close(ent.double(), ent_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hh.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ww.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+def exact_top_p_kept(masses: list[int], top_p: float) -> list[bool]:
+    """vLLM's top-p rule in exact rational arithmetic over integer masses (probabilities ``m / sum``):
+    sort ascending, drop the tokens whose cumulative probability is ``<= 1 - top_p``, keep the last; then
+    every token equal to the smallest kept one (the documented tie rule)."""
+    total, bound = sum(masses), 1 - Fraction(top_p)
+    kept, cum = [False] * len(masses), Fraction(0)
+    order = sorted(range(len(masses)), key=lambda j: masses[j])
+    for j in order[:-1]:
+        cum += Fraction(masses[j], total)
+        kept[j] = cum > bound
+    kept[order[-1]] = True
+    smallest = min(m for m, k in zip(masses, kept) if k)
+    return [m >= smallest for m in masses]
+
+
+# Masses n / 512 of the row's top token (float64 logits log(n / 512), all within 0.2 of the top, so that
+# exp gives n / 512 back exactly), summing to 4092 / 512 = 4 * (512 + 511) / 512: at top_p = 0.25 the mass
+# above the third token is exactly top_p times the total. WITHIN_BIN: that token (505) shares its histogram
+# bin with 511 (bins are 1/64 wide there), so the exact crossing is decided among the bin's candidates;
+# AT_BIN_EDGE: it (480) has a bin of its own, so the crossing falls on a bin edge.
+WITHIN_BIN = [512, 511, 505, 428, 428, 428, 428, 428, 424]
+AT_BIN_EDGE = [512, 511, 480, 432, 432, 432, 432, 432, 429]
+
+
+@pytest.mark.parametrize("path", ["histogram", "dense_fallback"])
+def test_top_p_drops_a_token_whose_mass_above_is_exactly_top_p_and_keeps_it_one_ulp_higher(monkeypatch, path):
+    if path == "dense_fallback":  # every row solved by sorting, as a misplaced crossing would be
+        monkeypatch.setattr(sampling, "_crossing", lambda hist, target: torch.zeros_like(target, dtype=torch.long))  # fmt: skip
+    rows, top_p, expected = [], [], []
+    perm = torch.randperm(9, generator=torch.Generator().manual_seed(0))  # the boundary token not in place
+    for masses in (WITHIN_BIN, AT_BIN_EDGE):
+        assert sum(masses) == 4 * (512 + 511)
+        for p in (0.25, math.nextafter(0.25, 1.0)):
+            kept = exact_top_p_kept(masses, p)
+            assert sum(kept) == (2 if p == 0.25 else 3)  # the third token is the one on the boundary
+            rows.append([math.log(masses[j] / 512) for j in perm])
+            top_p.append(p)
+            expected.append([kept[j] for j in perm])
+    y = torch.tensor(rows, dtype=torch.float64)
+    exps = (y - y.amax(1, keepdim=True)).exp() * 512  # the premise: the masses are exact
+    assert torch.equal(exps, exps.round())
+    before = sampling.FALLBACK_ROWS[0]
+    got = kept_set_of(y, 1.0, top_p=torch.tensor(top_p, dtype=torch.float64))
+    assert got.tolist() == expected
+    assert sampling.FALLBACK_ROWS[0] - before == (0 if path == "histogram" else 4 * 9)  # every label's row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab", [(32, 64), (16, 1000), (8, 20000)])
+def test_top_p_finds_the_crossing_in_the_histogram_without_the_dense_fallback(rows, vocab, dtype):
+    # The dense fallback would repair any row whose crossing bin is off by one, so a misplaced crossing
+    # shows only here: on ordinary inputs it is never used (and the kept set is vLLM's).
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows, vocab, generator=g) * torch.linspace(0.3, 4.0, rows)[:, None]).to(dtype)
+    top_p = torch.rand(rows, generator=g) * 0.98 + 0.01
+    top_k = torch.where(torch.arange(rows) % 3 == 0, vocab // 2, vocab)  # some rows cut before top-p
+    y = logits.double() / 0.7
+    before = sampling.FALLBACK_ROWS[0]
+    labels = torch.full((rows,), -100)
+    _, log_mass = lmloss.token_logprobs(
+        logits, labels, temperature=0.7, top_p=top_p, top_k=top_k, return_log_kept_mass=True
+    )
+    assert sampling.FALLBACK_ROWS[0] == before
+    ref = vllm_kept(y, top_p=top_p, top_k=top_k)
+    expected = torch.logsumexp(y.masked_fill(~ref, -INF), -1) - torch.logsumexp(y, -1)
+    torch.testing.assert_close(log_mass.double(), expected, rtol=0, atol=1e-5)
 
 
 def test_the_dense_fallback_solves_rows_whose_histogram_crossing_was_misplaced(monkeypatch):

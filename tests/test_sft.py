@@ -153,8 +153,24 @@ def test_embedded_demo_learns_and_writes_its_outputs(tmp_path, tokenizer_file, c
     summary = json.loads((out / "summary.json").read_text())
     assert summary["head_memory"]["naive_mib"] > summary["head_memory"]["fused_mib"] > 0
     assert (out / "loss.png").stat().st_size > 0
-    printed = capsys.readouterr().out
-    assert "step   30 | loss" in printed and "fused" in printed and "naive" in printed
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-12].startswith("step   30 | loss") and printed[-11] == "summary"
+    head = summary["head_memory"]
+    fused, naive = f"{head['fused_mib']:.1f} MiB", f"{head['naive_mib']:.1f} MiB"
+    # the measurement says that its vocabulary is the flag's, not the model's, and what its tokens are
+    assert (f"loss head alone, forward + backward, at --head-memory-vocab 8192, not this model's 512: 512 tokens x "
+            f"8192 vocab rows per rank: fused {fused} vs naive {naive}") in printed  # fmt: skip
+    # the run ends with three lines: what it showed, where its outputs are (all there), what to try next
+    tail_mean = sum(losses[-10:]) / 10
+    assert printed[-3] == (f"shown: a 0.16M-parameter LlamaForCausalLM trained 30 steps on dp=1 cp=1 tp=1, loss "
+                           f"{losses[0]:.2f} -> {tail_mean:.2f} (mean of the last 10) through lmloss's fused head "
+                           f"(no [tokens, vocab] logits); at vocab 8192 the loss head alone peaks at {fused} fused "
+                           f"vs {naive} naive ({head['naive_mib'] / head['fused_mib']:.1f}x)")  # fmt: skip
+    files = ["metrics.jsonl", "loss.png", "summary.json"]  # tokenizer.json: --tokenizer names one elsewhere
+    assert printed[-2] == f"outputs: {out}/ ({', '.join(files)}); no checkpoints (--save-every N writes them)"
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert printed[-1].startswith("next: --save-every N keeps checkpoints that --resume latest continues from; "
+                                  "--tp 2 --nproc 2 shards the LM head over 2 ranks;")  # fmt: skip
 
 
 def test_resume_continues_exactly_like_the_uninterrupted_run(tmp_path, tokenizer_file):

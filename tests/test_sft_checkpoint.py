@@ -8,6 +8,7 @@ resumes through the command line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -19,7 +20,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from lmloss.sft import cli  # noqa: E402
+from lmloss.sft import checkpoint, cli  # noqa: E402
+from lmloss.sft.parallel import Mesh  # noqa: E402
 from sft_support import SMALL_DATA  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "small_runs")
@@ -45,7 +47,7 @@ def _without_timing(rows: list[dict]) -> list[dict]:
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint / "tp0.pt", weights_only=False)["model"]
+    return torch.load(checkpoint / "tp0.pt", weights_only=True)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,25 @@ def _interrupted(full: Path, dst: Path, *, after: int = 4) -> Path:
     (dst / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines[:after]) + lines[after][:40])
     (dst / "summary.json").unlink()
     return dst
+
+
+def _reseal(ckpt: Path, name: str = "tp0.pt") -> None:
+    """Rewrite the manifest's size and sha256 of shard `name` to match the file now on disk (as someone
+    forging a checkpoint would)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / name).read_bytes()
+    manifest["shards"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _WritesMarker:
+    """Unpickling this writes a file: what a hostile shard could do (anything else code can do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.write_text, (self.marker, "unpickling ran code")
 
 
 def _flip_byte(path: Path, at: float = 0.5) -> None:
@@ -175,6 +196,22 @@ def test_resume_trains_on_at_the_original_schedule_and_needs_more_steps(full, tm
     assert _rows(out)[-1]["step"] == 9 and _rows(out)[-1]["lr"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_run_that_saves_checkpoints_ends_by_naming_them_and_how_to_train_on(full, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(full, out)
+    code, printed, err = _sft(capsys, out, "--resume", "latest", "--steps", "7")
+    assert code == 0, err
+    shown, where, then = printed.splitlines()[-3:]
+    assert shown.startswith("shown: a 0.16M-parameter LlamaForCausalLM trained 7 steps (resumed after step 6) on "
+                            "dp=1 cp=1 tp=1, loss ")  # fmt: skip
+    assert where == (f"outputs: {out}/ (metrics.jsonl, summary.json, tokenizer.json); checkpoints: "
+                     f"{out / 'checkpoints'}/ (step_2 .. step_7)")  # fmt: skip
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_2", "step_4", "step_6", "step_7"]
+    assert then.startswith("next: the same command with --resume latest --steps 14 (not --overwrite) trains on "
+                           "from step_7; --tp 2 --nproc 2 shards the LM head over 2 ranks;")  # fmt: skip
+
+
 def test_resume_with_another_tp_stops_before_any_process_starts(full, tmp_path, capsys):
     code, _, err = _sft(
         capsys, full, "--resume", "latest", "--steps", "8", "--tp", "2", "--vocab-size", "512"
@@ -194,3 +231,67 @@ def test_resume_with_more_micro_batches_per_step_continues_the_data_where_it_sto
     step5 = _rows(out)[4]
     assert step5["step"] == 5
     assert step5["n_tokens"] == _rows(full)[4]["n_tokens"] + _rows(full)[5]["n_tokens"]
+
+
+def test_shard_whose_unpickling_runs_code_is_refused_on_resume_and_never_run(full, tmp_path, capsys):
+    out = _interrupted(full, tmp_path / "run")
+    ckpt = out / "checkpoints" / "step_4"
+    marker = tmp_path / "marker"
+    blob = torch.load(ckpt / "tp0.pt", weights_only=True)
+    blob["optimizer"]["state"][0]["payload"] = _WritesMarker(marker)
+    torch.save(blob, ckpt / "tp0.pt")
+    _reseal(ckpt)  # its checksum matches: only how the shard is read can stop it
+    torch.load(ckpt / "tp0.pt", weights_only=False)  # the payload works when unpickled without the guard
+    assert marker.read_text() == "unpickling ran code"
+    marker.unlink()
+    for resume in ("latest", str(ckpt)):  # refused, not skipped for step_2: a forged shard is not damage
+        code, printed, err = _sft(capsys, out, "--resume", resume)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{ckpt / 'tp0.pt'} holds objects other than tensors and plain Python values" in err
+        assert "it was not loaded (loading it could run code). Nothing was resumed" in err
+        assert "resum" not in printed and not marker.exists()
+    assert not (out / "checkpoints" / "step_6").exists()
+    # load() itself reads safely, without verify() before it
+    model = torch.nn.Linear(2, 2)
+    point = checkpoint.ResumePoint(ckpt, 4, json.loads((ckpt / "manifest.json").read_text()))
+    with pytest.raises(checkpoint.UnsafeShardError, match="tp0.pt holds objects other than tensors"):
+        checkpoint.load(point, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), mesh=Mesh(),
+                        device=torch.device("cpu"))  # fmt: skip
+    assert not marker.exists()
+
+
+def test_swapped_step_directories_are_skipped_by_name_and_reason_and_the_run_resumes_correctly(
+    full, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(full, out)
+    root = out / "checkpoints"
+    (root / "step_4").rename(root / "swap")
+    (root / "step_6").rename(root / "step_4")
+    (root / "swap").rename(root / "step_6")
+    code, _, err = _sft(capsys, out, "--resume", str(root / "step_6"))  # named: refused, not resumed
+    assert code == 2 and err.count("\n") == 1
+    assert "not intact (its manifest.json records step 4, not 6: a renamed or swapped directory)" in err
+    code, printed, err = _sft(capsys, out, "--resume", "latest")
+    assert code == 0, err
+    notes = [ln for ln in printed.splitlines() if "not intact" in ln]
+    assert notes == [
+        "lmloss sft: checkpoint step_6 (its manifest.json records step 4, not 6: a renamed or swapped "
+        "directory); step_4 (its manifest.json records step 6, not 4: a renamed or swapped directory): not "
+        "intact; resuming from step_2, the newest intact one"
+    ]
+    assert f"resumed from {root / 'step_2'} after step 2;" in printed
+    for name, tensor in _weights(full / "checkpoints" / "step_6").items():
+        assert torch.equal(_weights(root / "step_6")[name], tensor), name
+
+
+def test_shard_recording_another_step_than_its_manifest_is_not_intact(full, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(full / "checkpoints", root)
+    shutil.copyfile(root / "step_4" / "tp0.pt", root / "step_6" / "tp0.pt")
+    _reseal(root / "step_6")  # the step-4 shard under a step-6 manifest whose checksum matches it
+    reason = "tp0.pt records step 4 with tp=1, its manifest.json step 6 with tp=1"
+    assert checkpoint.verify(root / "step_6") == reason
+    point = checkpoint.find(tmp_path, "latest")
+    assert point.step == 4 and point.note == f"checkpoint step_6 ({reason}): not intact; resuming from step_4, " \
+        "the newest intact one"  # fmt: skip

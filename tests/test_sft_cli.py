@@ -161,3 +161,17 @@ def test_spawned_ranks_report_errors_and_ctrl_c_in_one_line(tmp_path, capfd, for
         "no checkpoint was saved (--save-every N saves them); rerun with --overwrite to start over"
     )
     assert "Traceback" not in printed and multiprocessing.active_children() == []
+
+
+def test_a_missing_sft_dependency_names_the_extra_to_install_from_this_checkout(capfd, monkeypatch, tmp_path):
+    from lmloss.sft import launch
+
+    def without_yaml(cfg):
+        raise ModuleNotFoundError("No module named 'yaml'", name="yaml")
+
+    monkeypatch.setattr(launch, "run", without_yaml)
+    code, _, err = _sft(capfd, tmp_path / "run")
+    checkout = Path(__file__).resolve().parents[1]  # lmloss is not on PyPI: never `pip install lmloss[sft]`
+    assert code == 2
+    hint = f'pip install -e "{checkout}[sft]"'
+    assert err == f"lmloss sft: error: yaml is missing; install the sft extra: {hint}\n"

@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 
 # (module, what it is) — imported lazily so `lmloss --help` stays fast and optional extras stay optional.
 SUBCOMMAND_MODULES = (
@@ -24,6 +25,16 @@ SUBCOMMAND_MODULES = (
 #: command starts (``lmloss sft --nproc``), which import torch before lmloss.
 NUMPY_WARNING = "Failed to initialize NumPy"
 NUMPY_WARNING_FILTER = f"ignore:{NUMPY_WARNING}:UserWarning"
+
+
+def extra_install_hint(extra: str) -> str:
+    """The pip command that adds `extra` to this lmloss (it is not on PyPI, so never ``pip install
+    lmloss[...]``, which would look for another project of that name there): from the checkout this lmloss
+    is installed from when it is an editable install of one, else a placeholder for the user's checkout."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "lmloss").is_dir():
+        return f'pip install -e "{root}[{extra}]"'
+    return f'pip install "/path/to/lmloss[{extra}]" (your lmloss checkout; lmloss is not on PyPI)'
 
 
 def version_text() -> str:

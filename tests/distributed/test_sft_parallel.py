@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from lmloss.distributed import free_port  # noqa: E402
+from lmloss.sft import checkpoint as sft_checkpoint  # noqa: E402
 from lmloss.sft.config import SFTConfig  # noqa: E402
 from lmloss.sft.parallel import Mesh  # noqa: E402
 from lmloss.sft.report import MetricsLog  # noqa: E402
@@ -142,8 +144,9 @@ def runs():
             "manifest": json.loads((saved / "manifest.json").read_text()),
             "sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.glob("tp*.pt")},
             "bytes": {p.name: p.stat().st_size for p in saved.glob("tp*.pt")},
-            "head_rows": {p.name: torch.load(p, weights_only=False)["model"]["lm_head.weight"].shape[0]
+            "head_rows": {p.name: torch.load(p, weights_only=True)["model"]["lm_head.weight"].shape[0]
                           for p in saved.glob("tp*.pt")},
+            "path": saved,
         }  # fmt: skip
         yield {"reference": reference, "per_rank": per_rank, "memory": memory, "reports": reports,
                "checkpoint": checkpoint}  # fmt: skip
@@ -197,3 +200,21 @@ def test_checkpoint_of_a_tp_layout_holds_each_shard_with_its_checksum(runs):
         name: {"bytes": ckpt["bytes"][name], "sha256": ckpt["sha256"][name]} for name in ("tp0.pt", "tp1.pt")
     }
     assert ckpt["head_rows"] == {"tp0.pt": 512, "tp1.pt": 512}  # the 1024-row head, one half in each
+
+
+@pytest.mark.parametrize("manifest_tp", [2, 1])
+def test_manifest_that_omits_a_shard_of_a_tp_checkpoint_is_not_resumed(runs, tmp_path, manifest_tp):
+    ckpt = tmp_path / "checkpoints" / f"step_{STEPS}"
+    shutil.copytree(runs["checkpoint"]["path"], ckpt)
+    assert sft_checkpoint.verify(ckpt) is None
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["shards"]["tp1.pt"]  # tp1.pt stays on disk, of the right size and checksum
+    manifest["tp"] = manifest_tp  # 1: as if the checkpoint were a whole one-shard model
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    reason = {2: "its manifest.json (tp=2) does not list tp1.pt",
+              1: "tp1.pt is on disk but not in its manifest.json (tp=1)"}[manifest_tp]  # fmt: skip
+    assert sft_checkpoint.verify(ckpt) == reason
+    with pytest.raises(sft_checkpoint.CheckpointError) as err:
+        sft_checkpoint.find(tmp_path, "latest")
+    assert str(err.value) == (f"--resume latest: no intact checkpoint under {tmp_path / 'checkpoints'}: "
+                              f"step_{STEPS} ({reason}). Nothing was resumed")  # fmt: skip

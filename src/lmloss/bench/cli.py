@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lmloss.bench.impls import DEFAULT_IMPLS, DTYPES, IMPLS_BY_WORKLOAD, KERNELS, WORKLOADS, parse_chunk
+from lmloss.cli import extra_install_hint
 
 #: Per-device, per-workload defaults for flags the user leaves unset.
 DEFAULTS: dict[str, dict[str, dict[str, list]]] = {
@@ -40,7 +41,6 @@ DEFAULT_KERNELS = {"cpu": ["torch"], "cuda": ["triton", "torch"]}
 #: slow run cannot move; GPU runs are milliseconds, so more cost little.
 DEFAULT_REPEATS = {"cpu": 5, "cuda": 10}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 2}
-BENCH_EXTRA_HINT = "pip install 'lmloss[bench]'"
 
 
 def _int_list(text: str) -> list[int]:
@@ -217,9 +217,8 @@ def main(args: argparse.Namespace) -> int:
             try:
                 written += [p.name for p in plot_results(rows, args.out)]
             except ImportError as err:  # matplotlib (or a part of it) is not installed
-                no_plots = (
-                    f"no plots: {err.name or 'matplotlib'} is not installed ({BENCH_EXTRA_HINT} gives them)"
-                )
+                hint = extra_install_hint("bench")
+                no_plots = f"no plots: {err.name or 'matplotlib'} is not installed ({hint} gives them)"
         print(f"\nwrote {', '.join(written)} to {args.out}")
         stale = sorted(set(replaced) - set(written))
         if stale:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lmloss.bench.runner import NOISY_SPREAD, Result
+from lmloss.bench.runner import NOISY_SPREAD, Result, is_noisy, spread_percent
 
 #: Columns of results.csv, in order (every `Result` field; ``times_ms`` joined with ``;``).
 CSV_COLUMNS = [f.name for f in dataclasses.fields(Result)]
@@ -47,7 +47,7 @@ def _mib(value: float | None) -> str:
 
 def _spread(r: Result) -> str:
     """Half the min-max range as a percentage of the median: how far to trust the time column."""
-    return "-" if r.spread is None else f"±{100.0 * r.spread:.0f}%"
+    return "-" if r.spread is None else f"±{spread_percent(r.spread)}%"
 
 
 TABLE_HEADER = (
@@ -61,7 +61,7 @@ OPTIONAL_COLUMNS = {"kernel", "GB/s", "time/floor", "wgrad err"}
 
 
 NOISY_LEGEND = (
-    f"noisy: the spread passes ±{100 * NOISY_SPREAD:.0f}%: times closer than the spread were not told apart "
+    f"noisy: the spread passes ±{spread_percent(NOISY_SPREAD)}%: times closer than the spread were not told apart "
     "by this run (rerun on a quieter machine, or with more --repeats)"
 )
 
@@ -112,6 +112,6 @@ def format_table(rows: list[Result], *, note_width: int = 60) -> str:
         text.append(fmt(line))
     if footnotes:
         text += ["", "notes:", *footnotes]
-    if any(r.spread is not None and r.spread > NOISY_SPREAD for r in rows):
+    if any(is_noisy(r.spread) for r in rows):
         text += ["", NOISY_LEGEND]
     return "\n".join(text)

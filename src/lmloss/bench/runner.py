@@ -38,8 +38,21 @@ from lmloss.profiling.memory import LiveTensorTracker, MiB, peak_memory
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 #: A row whose spread (half the min-max range of its timed runs over their median) passes this is marked
-#: ``noisy`` in its note: time differences smaller than that are not measured by this run.
+#: ``noisy`` in its note: time differences smaller than that are not measured by this run. Compared as
+#: printed (`spread_percent`): a spread of 10.4% prints as ±10% and is not noisy, one of 10.6% prints as
+#: ±11% and is, so the note never reads "±10% > ±10%".
 NOISY_SPREAD = 0.10
+
+
+def spread_percent(spread: float) -> int:
+    """`spread` (a fraction) as the whole percentage the table and the note print (``round``: half to even)."""
+    return round(100 * spread)
+
+
+def is_noisy(spread: float | None) -> bool:
+    """Whether the printed spread passes the printed `NOISY_SPREAD`."""
+    return spread is not None and spread_percent(spread) > spread_percent(NOISY_SPREAD)
+
 
 #: The clock of the timed runs (a module attribute so that tests can drive the rounds with a fake one).
 _clock = time.perf_counter
@@ -304,8 +317,8 @@ def _timed_rounds(
         row.time_ms = statistics.median(row.times_ms)
         row.time_min_ms, row.time_max_ms = min(row.times_ms), max(row.times_ms)
         row.spread = (row.time_max_ms - row.time_min_ms) / 2 / row.time_ms if row.time_ms > 0 else None
-        if row.spread is not None and row.spread > NOISY_SPREAD:
-            _append_note(row, f"noisy: ±{100 * row.spread:.0f}% > ±{100 * NOISY_SPREAD:.0f}%")
+        if is_noisy(row.spread):
+            _append_note(row, f"noisy: ±{spread_percent(row.spread)}% > ±{spread_percent(NOISY_SPREAD)}%")
     return total
 
 
@@ -463,7 +476,7 @@ class PlainProgress:
 
 
 def _progress(total: int):
-    """A tqdm bar on stderr, or `PlainProgress` lines where tqdm is missing (it comes with lmloss[bench])."""
+    """A tqdm bar on stderr, or `PlainProgress` lines where tqdm is missing (it comes with the bench extra)."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
@@ -513,5 +526,6 @@ def environment(device: str) -> dict[str, object]:
 
 
 __all__ = [
-    "NOISY_SPREAD", "Result", "SimulatedOOM", "SweepConfig", "TOLERANCE", "WORKLOADS", "environment", "run_sweep",
+    "NOISY_SPREAD", "Result", "SimulatedOOM", "SweepConfig", "TOLERANCE", "WORKLOADS", "environment", "is_noisy",
+    "run_sweep", "spread_percent",
 ]  # fmt: skip

@@ -9,7 +9,9 @@ the original forward runs and returns logits as before (``generate`` and ``compu
 
 The patch reproduces only heads it knows: ``lm_head(hidden)`` and the transforms `head_transform` reads
 from the config (softcaps, logit multipliers), checked at patch time by one 8-token forward against the
-unpatched model. Anything else (seq2seq decoders, heads of several layers, unknown transforms) raises a
+unpatched model. The config is read again at every forward: after a change (``model.config.
+final_logit_softcapping = 30``) the patch runs that check once more and follows the model, whether its
+forward reads the field as it runs (Gemma) or kept the value it was built with (Cohere's ``logit_scale``). Anything else (seq2seq decoders, heads of several layers, unknown transforms) raises a
 ``ValueError`` naming the class and the reason; docs/use_in_your_stack.md lists the classes of the
 transformers release tested.
 
@@ -79,14 +81,18 @@ class HeadTransform:
         return 1.0 / self.scale
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _PatchState:
     """Kept on the patched model: how to undo the patch and the options the loss runs with."""
 
     instance_forward: Callable | None  # a forward set on the instance before patching (None: the class's)
     options: dict[str, Any]  # keyword arguments for lmloss.linear_cross_entropy
-    transform: HeadTransform
     logits_in_eval: bool
+    verify: bool
+    # The config can change after patch(). `config_read`: what `head_transform` read from it when
+    # `transform` (what the fused loss runs, checked against the model's own forward) was settled.
+    config_read: HeadTransform
+    transform: HeadTransform
 
 
 def _config_value(model: torch.nn.Module, field: str) -> Any:
@@ -168,6 +174,40 @@ def head_transform(model: torch.nn.Module) -> HeadTransform:
     if softcap is not None:  # c * tanh(b * z / c) == b * (c / b) * tanh(z / (c / b))
         softcap /= before
     return HeadTransform(softcap=softcap, scale=before * after, source=", ".join(fields) or "lm_head(hidden)")
+
+
+def _settled_transform(model: torch.nn.Module, state: _PatchState) -> HeadTransform:
+    """The transform the fused loss runs, for the config as it is now (called inside the root forward).
+
+    Models read these fields at different times: Gemma's forward reads ``config.final_logit_softcapping``
+    at every call, Cohere copies ``config.logit_scale`` into the module when it is built and ignores later
+    changes. So when the config announces another transform than at the last check, the check `patch` runs
+    (one 8-token forward in eval mode, no gradient) runs again, once per change, and the patch takes the
+    transform the model's own forward now applies: the new one, else the one it had. Raises ValueError
+    (naming the class, the change and the reason) when it is neither, when the new value is one lmloss
+    cannot reproduce, or under ``patch(verify=False)``, where nothing can be checked.
+    """
+    now = head_transform(model)
+    if now == state.config_read:
+        return state.transform
+    change = f"{state.config_read.source} -> {now.source}"
+    if not state.verify:
+        raise _refuse(model, f"its config changed after patch(verify=False) ({change}), and without the check "
+                      "the patch cannot tell whether its forward follows the change; unpatch(model) and patch "
+                      "it again")  # fmt: skip
+    try:
+        _verify(model, state, now, nested=True)
+        settled = now
+    except ValueError as err:
+        try:
+            _verify(model, state, state.transform, nested=True)
+        except ValueError:
+            why = str(err).split("'s loss: ", 1)[-1]
+            raise _refuse(model, f"its config changed after patch() ({change}) and its forward applies neither "
+                          f"transform: {why}") from None  # fmt: skip
+        settled = state.transform  # the model kept the value it was built with
+    state.config_read, state.transform = now, settled
+    return settled
 
 
 def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -287,6 +327,7 @@ def _fused_forward(
 
     if kwargs.get("output_router_logits"):
         raise _refuse(model, "output_router_logits=True asks for a router auxiliary loss")
+    transform = _settled_transform(model, state)  # the config as it is now (changed after patch() too)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
@@ -306,7 +347,7 @@ def _fused_forward(
     loss = call_through(
         model.get_output_embeddings(), _fused_loss, hidden, targets,
         num_items_in_batch=loss_kwargs.get("num_items_in_batch"), ignore_index=ignore_index,
-        transform=state.transform, options=state.options,
+        transform=transform, options=state.options,
     )  # fmt: skip
     out = CausalLMOutputWithPast(
         loss=loss,
@@ -322,12 +363,16 @@ def _fused_forward(
     return (loss, None, *out.to_tuple()[1:])
 
 
-def _verify(model: torch.nn.Module, state: _PatchState) -> None:
-    """One tiny forward (8 tokens, eval mode, no gradient) of the unpatched model against the patch.
+def _verify(
+    model: torch.nn.Module, state: _PatchState, transform: HeadTransform, *, nested: bool = False
+) -> None:
+    """One tiny forward (8 tokens, eval mode, no gradient, no autocast) of the unpatched model against the
+    patch.
 
-    Checks that the model's logits are ``state.transform`` of its head applied to its body's last hidden
+    Checks that the model's logits are `transform` of its head applied to its body's last hidden
     state, and that the fused loss equals the model's own loss (the label shift, the body call). Raises
-    `ValueError` naming the class and what differs."""
+    `ValueError` naming the class and what differs. `nested`: called inside the root module's forward
+    (its hooks have run: FSDP2's parameters are gathered), so the model's forward is called directly."""
     head = model.get_output_embeddings()
     device = head.weight.device
     if device.type == "meta":
@@ -339,21 +384,33 @@ def _verify(model: torch.nn.Module, state: _PatchState) -> None:
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             try:
                 # through the module's call, so that its hooks (FSDP2's) fire around the original forward
-                want = call_through(
-                    model, lambda m, **kw: _original_forward(m, state)(**kw), input_ids=ids, labels=ids,
-                    use_cache=False,
-                )  # fmt: skip
+                # (inside the root forward they have fired already)
+                want = (
+                    _original_forward(model, state)(input_ids=ids, labels=ids, use_cache=False)
+                    if nested
+                    else call_through(
+                        model,
+                        lambda m, **kw: _original_forward(m, state)(**kw),
+                        input_ids=ids,
+                        labels=ids,
+                        use_cache=False,
+                    )  # fmt: skip
+                )
             except Exception as err:  # noqa: BLE001 - any failure of the model's own forward
                 raise _refuse(model, f"its forward failed on a check input ({type(err).__name__}: {err}); "
                               "pass verify=False to patch without the check") from err  # fmt: skip
             if getattr(want, "logits", None) is None or getattr(want, "loss", None) is None:
                 raise _refuse(model, "its forward gave no logits or no loss to check against")
             # as the root module's forward: FSDP2 gathers the parameters, whichever unit holds the head
-            z, got = call_through(model, _check_outputs, ids, state)
-            t = state.transform
+            z, got = (
+                _check_outputs(model, ids, state, transform)
+                if nested
+                else call_through(model, _check_outputs, ids, state, transform)
+            )
+            t = transform
             expected = (z if t.softcap is None else t.softcap * torch.tanh(z / t.softcap)) * t.scale
             logits = want.logits.float()
             # a 16-bit head rounds its logits (and the model's transform of them) to 8 or 11 bits
@@ -377,7 +434,7 @@ def _verify(model: torch.nn.Module, state: _PatchState) -> None:
             module.training = training
 
 
-def _check_outputs(model: torch.nn.Module, ids: torch.Tensor, state: _PatchState):
+def _check_outputs(model: torch.nn.Module, ids: torch.Tensor, state: _PatchState, transform: HeadTransform):
     """`_verify`'s side, run as the root module's forward: the head's raw output ``z`` (fp32) on the body's
     last hidden state, and the fused loss of the shifted `ids`."""
     head = model.get_output_embeddings()
@@ -388,7 +445,7 @@ def _check_outputs(model: torch.nn.Module, ids: torch.Tensor, state: _PatchState
     z = call_through(head, lambda m, h: type(m).forward(m, h), hidden).float()
     loss = call_through(
         head, _fused_loss, hidden, lmloss.packing.shift_labels(ids), num_items_in_batch=None,
-        ignore_index=-100, transform=state.transform, options=state.options,
+        ignore_index=-100, transform=transform, options=state.options,
     )  # fmt: skip
     return z, loss
 
@@ -416,7 +473,11 @@ def patch(
     loss, as ``Trainer`` does under gradient accumulation; ``logits_to_keep`` slices the hidden states
     first) and the same gradients, with ``logits=None``: no ``[tokens, vocab]`` tensor is made.
     ``return_dict=False`` gives transformers' tuple with ``None`` in the logits slot. Tied embeddings,
-    bf16 / fp16, autocast, a final-logit softcap and logit multipliers (`head_transform`) are handled.
+    bf16 / fp16, autocast, a final-logit softcap and logit multipliers (`head_transform`) are handled. They
+    are read from ``model.config`` at every forward: after a change the check below runs again (once) and
+    the fused loss follows the model's own, whether its forward reads the field as it runs or kept the
+    value it was built with; a value lmloss cannot reproduce (a negative scale) raises ValueError there,
+    and so does any change under ``verify=False``.
 
     Logits where a caller needs them: without ``labels``, and in eval mode (``model.eval()``, which
     ``Trainer.evaluate`` / ``predict`` set), the model's original forward runs and returns its logits (and
@@ -453,11 +514,11 @@ def patch(
     transform = head_transform(model)
     options = dict(chunk_size=chunk_size, impl=impl, weight_grad_dtype=weight_grad_dtype)
     state = _PatchState(
-        instance_forward=model.__dict__.get("forward"), options=options, transform=transform,
-        logits_in_eval=bool(logits_in_eval),
+        instance_forward=model.__dict__.get("forward"), options=options, logits_in_eval=bool(logits_in_eval),
+        verify=bool(verify), config_read=transform, transform=transform,
     )  # fmt: skip
     if verify:
-        _verify(model, state)
+        _verify(model, state, transform)
     setattr(model, _STATE_ATTR, state)
     model.forward = _patched_forward.__get__(model, type(model))
     return model
@@ -495,7 +556,8 @@ def _score(
     """The root module's forward during `token_logprobs`: body, then the fused head through ``lm_head``."""
     outputs = _body(model)(input_ids=input_ids, use_cache=False, **model_kwargs)
     hidden = outputs[0][:, :-1]
-    transform = state.transform if (state := model.__dict__.get(_STATE_ATTR)) else head_transform(model)
+    state = model.__dict__.get(_STATE_ATTR)
+    transform = _settled_transform(model, state) if state is not None else head_transform(model)
     return call_through(
         model.get_output_embeddings(), _fused_logprobs, hidden, targets[:, 1:],
         temperature=temperature * transform.temperature, return_entropy=return_entropy,

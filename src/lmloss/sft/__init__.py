@@ -6,7 +6,7 @@ dataset), `tokenizer`, `model`, `attention` (CP attention for transformers), `pa
 gradient sums, launching), `trainer` (the loop), `checkpoint` (checksummed shards, finding an intact
 one), `resume` (a run's identity and what a resumed run may change), `report`, `launch` (--out, spawning),
 `cli`.
-Needs the ``sft`` extra: ``pip install lmloss[sft]``.
+Needs the ``sft`` extra: ``pip install -e ".[sft]"`` in a checkout of lmloss (it is not on PyPI).
 """
 
 from lmloss.sft.config import SFTConfig

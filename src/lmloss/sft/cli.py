@@ -114,7 +114,9 @@ def main(args: argparse.Namespace) -> int:
         run(cfg)
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in SFT_EXTRA_MODULES:
-            print(f"lmloss sft: error: {err.name} is missing; install the extra: pip install 'lmloss[sft]'",
+            from lmloss.cli import extra_install_hint
+
+            print(f"lmloss sft: error: {err.name} is missing; install the sft extra: {extra_install_hint('sft')}",
                   file=sys.stderr)  # fmt: skip
             return 2
         raise

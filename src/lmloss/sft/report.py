@@ -1,4 +1,5 @@
-"""What a run shows: the per-step line, metrics.jsonl, the loss-curve PNG and the closing summary table."""
+"""What a run shows: the per-step line, metrics.jsonl, the loss-curve PNG, the closing summary table and the
+three lines that end a run (what it showed, where its outputs are, what to try next)."""
 
 from __future__ import annotations
 
@@ -134,9 +135,70 @@ def summary_table(summary: dict[str, Any]) -> str:
     head = summary.get("head_memory")
     if head:
         rows.append((
-            f"loss head peak, {head['tokens']} tokens x {head['vocab_local']} vocab",
-            f"fused {head['fused_mib']:.1f} MiB | naive {head['naive_mib']:.1f} MiB "
-            f"({head['naive_mib'] / max(head['fused_mib'], 1e-9):.1f}x)",
+            f"loss head alone at vocab {head['vocab']}",
+            f"fused {head['fused_mib']:.1f} MiB | naive {head['naive_mib']:.1f} MiB ({_ratio(head):.1f}x), "
+            f"{head['tokens']} tokens x {head['vocab_local']} vocab rows per rank",
         ))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _ratio(head: dict[str, Any]) -> float:
+    return head["naive_mib"] / max(head["fused_mib"], 1e-9)
+
+
+def head_memory_line(head: dict[str, Any]) -> str:
+    """The loss-head measurement, saying at which vocabulary and why (``--head-memory-vocab`` is usually a
+    large model's, far from the tiny model's own) and what the token count is (one rank's CP share).
+
+    `head`: `lmloss.sft.trainer.measure_head_memory`'s dict plus ``model_vocab`` (the model's padded
+    vocabulary) and ``cp``."""
+    if head["vocab"] != head["model_vocab"]:
+        at = f"at --head-memory-vocab {head['vocab']}, not this model's {head['model_vocab']}"
+    else:
+        at = f"at this model's vocabulary ({head['vocab']} rows)"
+    tokens = f"{head['tokens']} tokens"
+    if head["cp"] > 1:
+        tokens += f" (a micro-batch's {head['tokens'] * head['cp']} over cp={head['cp']})"
+    return (f"loss head alone, forward + backward, {at}: {tokens} x {head['vocab_local']} vocab rows per rank: "
+            f"fused {head['fused_mib']:.1f} MiB vs naive {head['naive_mib']:.1f} MiB")  # fmt: skip
+
+
+def closing_lines(summary: dict[str, Any], out: str | Path, checkpoints: list[str]) -> str:
+    """The three lines that end a run: what it showed, where its outputs are, what to try next.
+
+    `summary`: `Trainer`'s summary (``model``, ``parameters``, ``loss_impl``, ``dp`` / ``cp`` / ``tp``,
+    ``resumed_after``, the loss figures, ``head_memory``);
+    `checkpoints`: the names of the step directories under ``<out>/checkpoints``, newest first. The files
+    named are those of ``<out>`` that exist (no loss.png without matplotlib, no tokenizer.json with
+    ``--tokenizer``)."""
+    out = Path(out)
+    tail = _tail(summary["tail_steps"])
+    first, last = summary["first_step"], summary["last_step"]
+    steps = f"{last} steps" if first == 1 else f"step {last}" if first == last else f"steps {first}-{last}"
+    if summary.get("resumed_after") is not None:
+        steps += f" (resumed after step {summary['resumed_after']})"
+    shown = (f"shown: a {summary['parameters'] / 1e6:.2f}M-parameter {summary['model']} trained {steps} on "
+             f"dp={summary['dp']} cp={summary['cp']} tp={summary['tp']}, loss {summary['first_loss']:.2f} -> "
+             f"{summary['tail_mean_loss']:.2f} ({tail}) ")  # fmt: skip
+    shown += ("through lmloss's fused head (no [tokens, vocab] logits)" if summary["loss_impl"] == "fused"
+              else "from materialized [tokens, vocab] logits (--loss-impl naive)")  # fmt: skip
+    head = summary.get("head_memory")
+    if head:
+        shown += (f"; at vocab {head['vocab']} the loss head alone peaks at {head['fused_mib']:.1f} MiB fused vs "
+                  f"{head['naive_mib']:.1f} MiB naive ({_ratio(head):.1f}x)")  # fmt: skip
+    written = ("metrics.jsonl", "loss.png", "summary.json", "tokenizer.json")
+    files = [f for f in written if (out / f).is_file()]
+    where = f"outputs: {out}/ ({', '.join(files)}); "
+    if checkpoints:
+        names = checkpoints[0] if len(checkpoints) == 1 else f"{checkpoints[-1]} .. {checkpoints[0]}"
+        where += f"checkpoints: {out / 'checkpoints'}/ ({names})"
+        nxt = (f"next: the same command with --resume latest --steps {2 * summary['last_step']} (not --overwrite) "
+               f"trains on from {checkpoints[0]}")  # fmt: skip
+    else:
+        where += "no checkpoints (--save-every N writes them)"
+        nxt = "next: --save-every N keeps checkpoints that --resume latest continues from"
+    if summary["tp"] == 1:
+        nxt += f"; --tp 2 --nproc {2 * summary['dp'] * summary['cp']} shards the LM head over 2 ranks"
+    nxt += "; lmloss sft --help and docs/sft.md list the rest"
+    return "\n".join([shown, where, nxt])

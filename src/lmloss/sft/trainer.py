@@ -302,6 +302,7 @@ class Trainer:
                 self.head.shape[1], cfg.tokens_per_batch // mesh.cp, cfg.head_memory_vocab or self.vocab_rows,
                 mesh, device=self.device, dtype=self.head.dtype, chunk_size=cfg.chunk_size,
             )  # fmt: skip
+            head_mem.update(model_vocab=self.vocab_rows, cp=mesh.cp)
         bar = None
         if main:
             self._announce(head_mem)
@@ -353,15 +354,24 @@ class Trainer:
                 f"note: {self.truncated} example(s) were truncated to {cfg.tokens_per_batch} tokens (--truncate)"
             )
         if head_mem:
-            print(f"loss head peak memory (forward + backward), {head_mem['tokens']} tokens x "
-                  f"{head_mem['vocab_local']} vocab rows per rank: "
-                  f"fused {head_mem['fused_mib']:.1f} MiB vs naive {head_mem['naive_mib']:.1f} MiB")  # fmt: skip
+            print(report.head_memory_line(head_mem))
+
+    def n_parameters(self) -> int:
+        """The model's parameter count: this rank's, plus the LM-head rows of the other TP ranks."""
+        return sum(p.numel() for p in self.model.parameters()) + self.head.numel() * (self.mesh.tp - 1)
 
     def _finish(self, log: report.MetricsLog, head_mem: dict[str, float] | None) -> dict[str, Any]:
         rows = log.read()
         m = self.mesh
         summary = {
+            "model": type(self.model).__name__,
+            "parameters": self.n_parameters(),
             "layout": f"dp={m.dp} cp={m.cp} tp={m.tp}, loss head {self.cfg.loss_impl}",
+            "loss_impl": self.cfg.loss_impl,
+            "dp": m.dp,
+            "cp": m.cp,
+            "tp": m.tp,
+            "resumed_after": None if self.resume_point is None else self.resume_point.step,
             "first_step": rows[0]["step"] if rows else 0,
             "last_step": rows[-1]["step"] if rows else 0,
             "first_loss": rows[0]["loss"] if rows else math.nan,
@@ -378,8 +388,11 @@ class Trainer:
             "head_memory": head_mem,
         }
         out = Path(self.cfg.out)
-        summary["plot"] = str(report.plot_loss(rows, out / "loss.png", summary["layout"]))
+        plot = report.plot_loss(rows, out / "loss.png", summary["layout"])
+        summary["plot"] = None if plot is None else str(plot)
+        summary["checkpoints"] = [p.name for p in checkpoint.step_dirs(out / "checkpoints")
+                                  if (p / checkpoint.MANIFEST).is_file()]  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print("summary\n" + report.summary_table(summary))
-        print(f"metrics: {out / 'metrics.jsonl'}, loss curve: {summary['plot']}")
+        print(report.closing_lines(summary, out, summary["checkpoints"]))
         return summary
