@@ -352,3 +352,49 @@ def test_docs_distillation_example_runs_as_written(capsys):
     exec(compile(code, "docs/distillation.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.startswith("beta=0.0: ") and "top-20 teacher, tail=False: " in printed
+
+
+@pytest.mark.parametrize("teacher_dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_a_teacher_of_another_dtype_than_the_student_is_read_in_the_students_compute_dtype(path, teacher_dtype):
+    """An fp32 student beside an fp64 (or bf16) teacher: the loss and the student's gradient equal float64
+    math on the teacher's values (rounded to fp32 where the teacher is wider)."""
+    g = torch.Generator().manual_seed(21)
+    h = torch.randn(6, 5, generator=g).requires_grad_()
+    w = torch.randn(24, 5, generator=g).requires_grad_()
+    th = torch.randn(6, 3, generator=g).to(teacher_dtype)
+    tw = torch.randn(24, 3, generator=g).to(teacher_dtype)
+    if path == "logits":
+        x = (h @ w.T).detach().requires_grad_()
+        loss = lmloss.distillation_loss(x, th @ tw.T, beta=0.5)
+        loss.backward()
+        got = [x.grad]
+    else:
+        loss = lmloss.linear_distillation_loss(h, w, th, tw, beta=0.5)
+        loss.backward()
+        got = [h.grad, w.grad]
+    t = (th @ tw.T).float().double()
+    hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    zr = (hr @ wr.T).detach().requires_grad_() if path == "logits" else hr @ wr.T
+    ls, lt = zr.log_softmax(-1), t.log_softmax(-1)
+    lm = torch.logaddexp(ls + math.log(0.5), lt + math.log(0.5))
+    expected = (0.5 * (lt.exp() * (lt - lm)).sum(-1) + 0.5 * (ls.exp() * (ls - lm)).sum(-1)).mean()
+    expected.backward()
+    refs = [zr.grad] if path == "logits" else [hr.grad, wr.grad]
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, refs):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_a_teacher_that_requires_grad_is_detached(path):
+    """Only the teacher requires grad: the loss does not, and the teacher's graph is not kept."""
+    g = torch.Generator().manual_seed(22)
+    th = torch.randn(4, 3, generator=g, requires_grad=True)
+    tw = torch.randn(16, 3, generator=g, requires_grad=True)
+    h, w = torch.randn(4, 5, generator=g), torch.randn(16, 5, generator=g)
+    if path == "logits":
+        loss = lmloss.distillation_loss(h @ w.T, th @ tw.T)
+    else:
+        loss = lmloss.linear_distillation_loss(h, w, th, tw)
+    assert not loss.requires_grad and loss.grad_fn is None

@@ -170,23 +170,28 @@ def _options(*, beta, reduction, teacher_topk, tail, teacher_softcap):
     return spec, agree
 
 
-class CappedRows:
-    """A teacher's chunk source with its softcap applied as each chunk is read: ``cap * tanh(x / cap)`` in the
-    compute dtype (the PyTorch kernels' own transform), a fresh chunk."""
+class TeacherRows:
+    """A teacher's chunk source as the kernels read it: its softcap applied (``cap * tanh(x / cap)``, the
+    PyTorch kernels' own transform) and, for a teacher wider than the student's compute dtype (float64
+    beside float32), rounded to the student's compute dtype; a fresh chunk."""
 
     owns_chunks = True
 
-    def __init__(self, source, cap: float) -> None:
-        self.source, self.math = source, ChunkMath(vocab_start=0, valid=0, scale=1.0, softcap=cap)
+    def __init__(self, source, cap: float | None, dtype: torch.dtype) -> None:
+        self.source, self.dtype = source, dtype
+        self.math = ChunkMath(vocab_start=0, valid=0, scale=1.0, softcap=float(cap or 0.0))
 
     def __call__(self, s: int, e: int) -> torch.Tensor:
         x = self.source(s, e)
-        return transform_into(torch.empty(x.shape, dtype=compute_dtype(x.dtype), device=x.device), x, self.math)
+        return transform_into(torch.empty(x.shape, dtype=self.dtype, device=x.device), x, self.math)
 
 
-def capped(source, cap: float | None):
-    """`source`, or its chunks softcapped (`CappedRows`)."""
-    return source if not cap else CappedRows(source, float(cap))
+def teacher_rows(source, cap: float | None, teacher_dtype: torch.dtype, student_dtype: torch.dtype):
+    """`source` as it is, or wrapped in `TeacherRows` when it has a softcap or is wider than the student."""
+    acc = compute_dtype(student_dtype)
+    if not cap and teacher_dtype.itemsize <= acc.itemsize:
+        return source
+    return TeacherRows(source, cap, acc)
 
 
 def _labels_for_count(labels: torch.Tensor | None, shape, ignore_index: int, device) -> torch.Tensor:
@@ -227,8 +232,9 @@ def distillation_loss(
     Args:
         student_logits: ``[..., V_local]`` fp32 / bf16 / fp16 / fp64; this rank's vocabulary shard under TP.
             Receives the gradient.
-        teacher_logits: the same shape, sharded the same way (None with `teacher_topk`). Detached: it never
-            receives a gradient.
+        teacher_logits: the same shape, sharded the same way (None with `teacher_topk`), any float dtype (a
+            float64 teacher beside a narrower student is read in the student's compute dtype, fp32). Detached:
+            it never receives a gradient.
         labels: ``[...]`` integers, or None (every token counts). Only compared with `ignore_index`:
             those tokens give exactly 0.0 and exactly zero gradient, whatever their logits (NaN, inf).
         beta: in ``[0, 1]`` (see above).
@@ -288,9 +294,10 @@ def distillation_loss(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, agree=agree, tensors=_tensors(topk, flat_labels, ignore_index),
     )  # fmt: skip
-    objective = _objective(
-        plan, spec, topk, flat_labels, lambda rows: capped(LogitRows(teacher.reshape(-1, v_local)), teacher_softcap)
-    )
+    def make_teacher(rows):
+        return teacher_rows(LogitRows(teacher.reshape(-1, v_local)), teacher_softcap, teacher.dtype, dtype)
+
+    objective = _objective(plan, spec, topk, flat_labels, make_teacher)
     (per_token,) = PerTokenLoss.apply(Op(plan, LogitsHead, objective), student_logits.reshape(-1, v_local))
     return reduce_loss(
         per_token.view(leading), _labels_for_count(labels, leading, ignore_index, device),
@@ -427,7 +434,8 @@ def linear_distillation_loss(
 
         def make_teacher(rows):
             scratch = ChunkScratch(rows, t_weight.shape[0], t_weight.device)
-            return capped(HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype), teacher_softcap)
+            source = HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype)
+            return teacher_rows(source, teacher_softcap, t_weight.dtype, student_weight.dtype)
 
     if reduction == "none":
         objective = _objective(p.plan, spec, topk, p.labels, make_teacher)

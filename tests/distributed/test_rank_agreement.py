@@ -104,12 +104,23 @@ def ranks() -> list[dict]:
 
 def _data(seed: int, n: int, v_local: int, h: int = H):
     g = _gen(seed)
-    return dict(
+    d = dict(
         logits=torch.randn(n, v_local, generator=g),
         hidden=torch.randn(n, h, generator=g),
         weight=torch.randn(v_local, h, generator=g),
         labels=torch.randint(0, 16, (n,), generator=g),  # valid for every global vocabulary below
+        teacher=torch.randn(n, v_local, generator=g),
+        t_hidden=torch.randn(n, 4, generator=g),
+        t_weight=torch.randn(v_local, 4, generator=g),
     )
+    g = _gen(100)  # the per-token tensors of the RL / sampling / replay cases: the same on every rank
+    d.update(adv=torch.randn(n, generator=g), old=-torch.rand(n, generator=g) - 2.0)
+    order = torch.stack([torch.randperm(16, generator=g) for _ in range(n)])
+    others = order[order != d["labels"].clamp(min=0)[:, None]].view(n, 15)
+    d["support"] = torch.cat([d["labels"].clamp(min=0)[:, None], others[:, :3]], dim=1)  # distinct ids
+    d["topk_ids"] = d["support"].clone()
+    d["topk_logprobs"] = torch.full((n, 4), -2.0)
+    return d
 
 
 def _call(op: str, d: dict, kw: dict):
@@ -146,6 +157,12 @@ def _call_op(op: str, d: dict, kw: dict):
         return lmloss.cross_entropy(d["logits"], d["labels"], **kw)
     if op == "linear_token_logprobs":
         return lmloss.linear_token_logprobs(d["hidden"], d["weight"], d["labels"], **kw)
+    if op == "linear_policy_loss":
+        return lmloss.rl.linear_policy_loss(d["hidden"], d["weight"], d["labels"], d["old"], d["adv"], **kw)
+    if op == "distillation_loss":
+        return lmloss.distillation_loss(d["logits"], None if "teacher_topk" in kw else d["teacher"], d["labels"], **kw)
+    if op == "linear_distillation_loss":
+        return lmloss.linear_distillation_loss(d["hidden"], d["weight"], d["t_hidden"], d["t_weight"], d["labels"], **kw)
     return lmloss.linear_cross_entropy(d["hidden"], d["weight"], d["labels"], **kw)
 
 
@@ -406,6 +423,87 @@ DISAGREEMENTS = {
         ["rank 0: temperature must be finite", "rank 1: labels shape"],
     ),
 }
+
+
+def _policy(**per_rank):
+    """A `linear_policy_loss` case: each option's ``(rank 0's, rank 1's)`` value."""
+    return lambda r: (_data(0, N, 16), {k: _per_rank(r, *v) for k, v in per_rank.items()})
+
+
+def _with_tensor(key, change, **kw):
+    """Rank 1 holds the data's `key` changed by `change`; a kwarg ``"@name"`` passes the data's tensor (``"@topk"``:
+    the teacher's ids and log-probs)."""
+
+    def arg(d, v):
+        if v == "@topk":
+            return d["topk_ids"], d["topk_logprobs"]
+        return d[v[1:]] if isinstance(v, str) and v.startswith("@") else v
+
+    def make(r):
+        d = _data(0, N, 16)
+        if r == 1:
+            d = _with(d, **{key: change})
+        return d, {k: arg(d, v) for k, v in kw.items()}
+
+    return make
+
+
+def _permuted(t):
+    return t.flip(-1)
+
+
+def _tokenwise(value):
+    return torch.full((N,), value)
+
+
+# The arguments the RL, sampling, replay and distillation ops add (issue #23's adversarial cases): every one
+# is agreed in the op's one rank-agreement gather.
+DISAGREEMENTS.update({
+    "loss_mode": (("linear_policy_loss",), _policy(loss_mode=("vanilla", "cispo")), ["objective's options", "loss_mode"]),
+    "clip_ratio_low": (("linear_policy_loss",), _policy(clip_ratio_low=(0.2, 0.1)), ["objective's options"]),
+    "clip_ratio_c": (("linear_policy_loss",), _policy(clip_ratio_c=(3.0, 4.0)), ["objective's options"]),
+    "entropy_coeff": (("linear_policy_loss",), _policy(entropy_coeff=(0.01, 0.02)), ["entropy_coeff"]),
+    "kl_loss_type": (("linear_policy_loss",), _policy(kl_loss_type=("k1", "k3"), kl_loss_coef=(0.1, 0.1),
+                                                      ref_logprobs=(torch.zeros(N), torch.zeros(N))),
+                     ["objective's options"]),  # fmt: skip
+    "kl_loss_coef": (("linear_policy_loss",), _policy(kl_loss_coef=(0.1, 0.2), ref_logprobs=(torch.zeros(N), torch.zeros(N))),
+                     ["objective's options"]),  # fmt: skip
+    "loss_agg_mode": (("linear_policy_loss",), _policy(loss_agg_mode=("token-mean", "seq-mean-token-mean"),
+                                                       cu_seqlens=(torch.tensor([0, N]), torch.tensor([0, N]))),
+                      ["objective's options"]),  # fmt: skip
+    "advantages": (("linear_policy_loss",), _with_tensor("adv", lambda a: a + 1.0), ["advantages"]),
+    "old_logprobs": (("linear_policy_loss",), _with_tensor("old", lambda a: a - 1.0), ["old_logprobs"]),
+    "invalid_clip_ratio_on_one_rank": (("linear_policy_loss",), _policy(clip_ratio=(0.2, -1.0)), ["clip_ratio"]),
+    "unknown_loss_mode_on_one_rank": (("linear_policy_loss",), _policy(loss_mode=("vanilla", "ppo")), ["loss_mode"]),
+    "unknown_kl_type_on_one_rank": (("linear_policy_loss",), _policy(kl_loss_type=("k3", "k9")), ["kl_loss_type"]),
+    "per_token_top_k": (("token_logprobs", "linear_policy_loss"),
+                        lambda r: (_data(0, N, 16), dict(top_k=_tokenwise(_per_rank(r, 3, 4)))), ["top_k"]),
+    "per_token_top_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(top_p=_tokenwise(_per_rank(r, 0.9, 0.8)))),
+                        ["top_p"]),  # fmt: skip
+    "per_token_min_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(min_p=_tokenwise(_per_rank(r, 0.1, 0.2)))),
+                        ["min_p"]),  # fmt: skip
+    "support": (("token_logprobs", "linear_token_logprobs", "linear_policy_loss"),
+                _with_tensor("support", _permuted, support="@support"), ["support"]),  # fmt: skip
+    "support_id_past_the_vocabulary": (("token_logprobs", "linear_token_logprobs"), lambda r: (
+        _data(0, N, 16), dict(support=torch.arange(40, 44).repeat(N, 1))), ["support ids must be in [0, 32)"]),
+    "support_with_a_duplicate_id_on_one_rank": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(
+        support=_per_rank(r, _data(0, N, 16)["support"], torch.zeros(N, 4, dtype=torch.long)))), ["twice"]),
+    "support_on_one_rank_top_k_on_the_other": (("token_logprobs",), lambda r: (_data(0, N, 16), _per_rank(
+        r, dict(support=_data(0, N, 16)["support"]), dict(top_k=3))), ["TP ranks disagree"]),
+    "beta_out_of_range_on_one_rank": (("distillation_loss", "linear_distillation_loss"),
+                                      lambda r: (_data(0, N, 16), dict(beta=_per_rank(r, 0.5, 1.5))), ["beta"]),
+    "wider_teacher_shard_on_one_rank": (("distillation_loss",), lambda r: (
+        _with(_data(0, N, 16), teacher=lambda t: t if r == 0 else torch.randn(N, 17)), {}), ["teacher_logits shape"]),
+    "teacher_topk_ids": (("distillation_loss",), _with_tensor("topk_ids", _permuted, teacher_topk="@topk"),
+                         ["teacher_ids"]),  # fmt: skip
+    "teacher_topk_mass_above_one_on_one_rank": (("distillation_loss",), _with_tensor(
+        "topk_logprobs", lambda t: t + 3.0, teacher_topk="@topk"), ["teacher_logprobs"]),
+    "teacher_softcap": (("distillation_loss", "linear_distillation_loss"),
+                        lambda r: (_data(0, N, 16), dict(teacher_softcap=_per_rank(r, 2.0, 3.0))), ["teacher_softcap"]),
+    "student_softcap": (("distillation_loss", "linear_distillation_loss"),
+                        lambda r: (_data(0, N, 16), dict(softcap=_per_rank(r, 2.0, None))), ["softcap"]),
+})
+
 #: cases whose agreed error is also a TypeError (a rank's argument had the wrong type)
 TYPE_ERRORS = {
     "float_labels_on_one_rank",
