@@ -1,9 +1,11 @@
 """lmloss.rl.policy_loss / token_weights / rollout weights on one process, against float64 references.
 
-The references below are verl 0.9's actor loss written out plainly (``compute_policy_loss_vanilla`` /
-``_gspo`` / ``_cispo`` / ``_reinforce``, ``agg_loss``, ``kl_penalty``; the actor's total ``pg - entropy_coeff
-* agg(entropy) + kl_loss_coef * agg(kl)``), on ``[B, T]`` rows, with autograd for the reference gradients.
-verl itself is not a test dependency (its import pulls ray and more), so these stand in for it.
+The references below are plain float64 PyTorch math of verl 0.9.1's actor loss (``compute_policy_loss_vanilla``
+/ ``_gspo`` / ``_cispo`` / ``_reinforce``, ``agg_loss``, ``kl_penalty``; the actor's total ``pg - entropy_coeff
+* agg(entropy) + kl_loss_coef * agg(kl)``), on ``[B, T]`` rows, with autograd for the reference gradients;
+tests/test_rl_fused.py uses them too. verl's *own* functions are the reference in tests/test_rl_verl.py
+(every registered loss, ``agg_loss``, ``kl_penalty``) and TRL's ``GRPOTrainer`` in tests/test_rl_trl.py; the
+argument checks, refusals and the fused op's weights are here.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def ref_agg(loss_mat, mask, mode):
         return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs
     if mode == "seq-mean-token-mean":
         return ((loss_mat * m).sum(-1) / (seq_len + 1e-8) * (seq_len > 0)).sum() / n_seqs
-    if mode == "seq-mean-token-sum-norm":
-        return (loss_mat * m).sum() / mask.shape[-1]
+    if mode == "seq-mean-token-sum-norm":  # verl 0.9.1: the seq-mean of token sums, over the horizon
+        return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs / mask.shape[-1]
     raise AssertionError(mode)
 
 
@@ -82,7 +84,7 @@ def ref_actor_loss(mode, agg, lp, old, adv, mask, *, ref=None, kl_type="low_var_
     pg = ref_pg(mode, lp, old, adv, mask, **clip)
     if is_w is not None:
         pg = pg * is_w
-    loss = ref_agg(pg, mask, "seq-mean-token-mean" if mode == "gspo" else agg)
+    loss = ref_agg(pg, mask, agg)
     if ent is not None:
         loss = loss - ent_coef * ref_agg(ent, mask, agg)
     if ref is not None:
@@ -140,18 +142,17 @@ def test_policy_loss_matches_verl_actor_loss_value_and_gradient(agg, mode, kw):
 
 
 @pytest.mark.parametrize("agg", VERL_AGG_MODES)
-def test_gspo_matches_verl_with_its_sequence_ratio_and_seq_mean_token_mean(agg):
-    # verl's gspo always aggregates its pg term by seq-mean-token-mean; the entropy / KL terms use `agg`.
+def test_gspo_matches_the_sequence_ratio_under_every_agg_mode(agg):
+    # verl 0.9.1's gspo aggregates its pg term with the actor's loss_agg_mode (earlier verl forced
+    # seq-mean-token-mean); asymmetric clips so that swapping them changes the loss.
     lp, old, adv, ref, ent, mask = _batch(1)
     lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
-    w_pg = token_weights(mask, "seq-mean-token-mean", dtype=torch.float64)
-    w = token_weights(mask, agg, dtype=torch.float64)
-    pg, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", token_weights=w_pg, clip_ratio=0.2)
-    rest, _ = policy_loss(lp, lp.detach(), torch.zeros_like(adv), mask, loss_mode="reinforce", token_weights=w,
-                          ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent, entropy_coeff=0.02)  # fmt: skip
-    loss = pg + rest
+    old = lp.detach() - 0.15 * torch.sign(adv) * torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    loss, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg, clip_ratio_low=0.05,
+                          clip_ratio_high=0.3, ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent,
+                          entropy_coeff=0.02)  # fmt: skip
     expected = ref_actor_loss("gspo", agg, lp, old, adv, mask, ref=ref, kl_type="k1", kl_coef=0.1, ent=ent,
-                              ent_coef=0.02)  # fmt: skip
+                              ent_coef=0.02, low=0.05, high=0.3)  # fmt: skip
     torch.testing.assert_close(loss, expected, **REL)
     for got, want in zip(_grads(loss, lp, ent), _grads(expected, lp, ent)):
         torch.testing.assert_close(got, want, **REL)
@@ -216,7 +217,7 @@ def test_token_weights_are_the_global_denominators_of_each_mode():
     torch.testing.assert_close(w["seq-mean-token-sum"], m / 2)  # two sequences have a valid token
     lens = torch.tensor([2.0, 0.0, 4.0], dtype=torch.float64)[:, None]
     torch.testing.assert_close(w["seq-mean-token-mean"], m / ((lens + 1e-8) * 2))
-    torch.testing.assert_close(w["seq-mean-token-sum-norm"], m / 4)
+    torch.testing.assert_close(w["seq-mean-token-sum-norm"], m / (2 * 4))  # / (S * horizon), verl's
 
 
 def test_prompt_mean_weights_give_each_prompt_group_equal_total_weight():
