@@ -19,7 +19,14 @@ from lmloss._autograd import once_differentiable
 from lmloss.fused import _Accumulators, _HiddenRows, _pass_scratch, _prepare, linear_token_logprobs
 from lmloss.metrics import StatsTracker
 from lmloss.plan import LossPlan, forward_pass
-from lmloss.rl.objectives import Objective, PerToken, policy_loss, record_metrics, token_weights_of
+from lmloss.rl.objectives import (
+    Objective,
+    PerToken,
+    check_weights_or_mode,
+    policy_loss,
+    record_metrics,
+    token_weights_of,
+)
 from lmloss.vocab_parallel import ProcessGroup
 
 __all__ = ["linear_policy_loss"]
@@ -148,6 +155,7 @@ def linear_policy_loss(
     )  # fmt: skip
     if kl_loss_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
+    check_weights_or_mode(token_weights, loss_agg_mode)
     head = dict(
         bias=bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,

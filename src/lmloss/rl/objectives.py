@@ -63,6 +63,7 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 OPTION_DEFAULTS = dict(
     tau_pos=1.0, tau_neg=1.05, clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
     ppo_kl_coef=0.1, dro_beta=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+    kl_importance_weighted=False,
 )  # fmt: skip
 #: The per-token inputs that are constants of the objective: a differentiable one is refused (its
 #: gradient would be silently wrong: ``policy_loss(lp, lp, ...)`` gives exactly zero gradients).
@@ -143,6 +144,7 @@ class Objective:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    kl_importance_weighted: bool = False
 
     @classmethod
     def make(
@@ -194,7 +196,14 @@ class Objective:
             raise ValueError(
                 "loss_mode='dro' needs dro_beta > 0 (verl's policy_loss.dro_beta has no default)"
             )
-        floats = {k: None if v is None else float(v) for k, v in opts.items()}
+        if not isinstance(opts["kl_importance_weighted"], bool):
+            raise TypeError(f"kl_importance_weighted must be a bool, got {opts['kl_importance_weighted']!r}")
+        if opts["kl_importance_weighted"] and loss_mode in SEQUENCE_MODES:
+            raise ValueError(
+                f"kl_importance_weighted multiplies the KL by the token ratio; it is not defined for the sequence "
+                f"objective {loss_mode!r}"
+            )
+        floats = {k: v if v is None or isinstance(v, bool) else float(v) for k, v in opts.items()}
         return cls(loss_mode, float(low), float(high), None if clip_ratio_c is None else float(clip_ratio_c),
                    kl_loss_type, float(kl_loss_coef), float(entropy_coeff), **floats)  # fmt: skip
 
@@ -358,6 +367,8 @@ class Objective:
                      clipped_lower=clipped_lower)  # fmt: skip
         if ref_logprobs is not None:
             kl = kl_estimate(logprobs, ref_logprobs, self.kl_loss_type)
+            if self.kl_importance_weighted:  # TRL's use_bias_correction_kl: E_old[r kl], r differentiable
+                kl = kl * log_ratio.exp()
             parts["kl"] = kl.detach()
             loss = loss + self.kl_loss_coef * kl
         if entropy is not None and self.entropy_coeff != 0.0:
@@ -785,6 +796,7 @@ def policy_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    kl_importance_weighted: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's policy loss, verl's ``policy_loss`` + entropy bonus + KL loss, as one scalar.
 
@@ -821,6 +833,8 @@ def policy_loss(
         horizon: the constant of ``"seq-mean-token-sum-norm"`` (default ``T`` for rows).
         ref_logprobs, kl_loss_type, kl_loss_coef: KL-to-reference term (`kl_estimate`), added with weight
             `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0; a constant).
+        kl_importance_weighted: multiply the KL estimate by the differentiable token ratio ``exp(lp - old)``
+            (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL; token objectives only).
         entropy, entropy_coeff: entropy bonus, ``- entropy_coeff * H`` per token (needs `entropy` when the
             coefficient is not 0; differentiable).
         rollout_is_weights: per-token rollout-correction IS weights (constants; `lmloss.rl.rollout`),
@@ -851,7 +865,7 @@ def policy_loss(
         tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
         clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
     )  # fmt: skip
     if kl_loss_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
