@@ -149,9 +149,8 @@ def test_gspo_matches_the_sequence_ratio_under_every_agg_mode(agg):
     # seq-mean-token-mean); asymmetric clips so that swapping them changes the loss.
     lp, old, adv, ref, ent, mask = _batch(1)
     lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
-    old = lp.detach() - 0.15 * torch.sign(adv) * torch.rand(
-        B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(4)
-    )
+    # sequence ratios e^0.3, e^-0.25, e^0.2 (row 0 is masked): clipped by the asymmetric bounds on one side
+    old = lp.detach() - torch.tensor([0.0, 0.3, -0.25, 0.2], dtype=torch.float64)[:, None]
     loss, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg, clip_ratio_low=0.05,
                           clip_ratio_high=0.3, ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent,
                           entropy_coeff=0.02)  # fmt: skip
