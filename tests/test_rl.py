@@ -494,3 +494,32 @@ def test_pg_mask_drops_the_policy_term_but_keeps_the_denominators():
     pg = ref_pg("vanilla", lp, old, adv, mask) * keep
     want = ref_agg(pg + 0.1 * (lp - ref), mask, "token-mean")
     torch.testing.assert_close(got, want, **REL)
+
+
+def test_linear_policy_loss_runs_every_loss_mode_like_policy_loss():
+    # the fused op at each objective's default options (it has no dro_beta: "dro" is refused), chunked
+    g = torch.Generator().manual_seed(15)
+    n, h, v = 12, 4, 7
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[1, 8]] = -100
+    mask, cu = labels != -100, torch.tensor([0, 5, 12])
+    lp0 = torch.log_softmax(hidden @ weight.detach().T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    old = lp0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    for mode in lmloss.rl.LOSS_MODES:
+        kw = dict(loss_mode=mode, loss_agg_mode="seq-mean-token-mean", cu_seqlens=cu)
+        if mode == "dro":
+            with pytest.raises(ValueError, match="dro_beta"):
+                lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, **kw)
+            continue
+        torch.manual_seed(0)
+        got, _ = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, chunk_size=5, **kw)
+        lp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        torch.manual_seed(0)
+        want, _ = policy_loss(lp, old, adv, mask, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=mode)
+        torch.testing.assert_close(
+            _grads(got, weight)[0], _grads(want, weight)[0], rtol=1e-10, atol=1e-12, msg=mode
+        )
