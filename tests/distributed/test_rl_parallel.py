@@ -70,6 +70,7 @@ def _batch():
     d["old"] = d["lp"] + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
     d["ref"] = d["lp"] + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
     d["rollout"] = d["old"] + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["shift"] = torch.arange(n).div(8, rounding_mode="floor").remainder(3).double() * 0.1  # per 8 tokens
     d["mask"][8:12] = False  # sequence 1 has no valid token
     d["cu"] = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     return d
@@ -160,6 +161,19 @@ def _is_weights_cp(d, dp_rank, cp_rank, cp):
         lmloss.rl.truncated_is_weights(*args, cap=1.05, **kw),
         lmloss.rl.masked_is_weights(*args, lower=0.9, upper=1.05, **kw),
     )
+
+
+def _trl_masks(d, dp_rank, cp_rank, dp, cp):
+    """TRL's masks: the high-entropy mask over the DP group (each rank's whole sequences), and the
+    off-policy sequence mask on this DP x CP piece (its sequences' sums all-reduced over CP)."""
+    pos, cu, _ = _sequences(d, list(range(4 * dp_rank, 4 * dp_rank + 4)))
+    entropy = lmloss.rl.high_entropy_mask(d["ent"][pos], d["mask"][pos], 0.3, group=dp)
+    local = lmloss.cp.split(pos, cu, 2, cp_rank)
+    seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
+    off = lmloss.rl.off_policy_sequence_mask(d["lp"][local], d["rollout"][local] + d["shift"][local], d["adv"][local],
+                                             d["mask"][local], threshold=0.05, sequence_ids=seq_ids, cu_seqlens=cu,
+                                             cp_group=cp)  # fmt: skip
+    return pos, entropy, local, off
 
 
 def _outcome(fn):
@@ -257,6 +271,7 @@ def worker(rank: int, world_size: int) -> dict:
     out["ddp"] = _ddp(d, rank % 2, pair)
     out["fused_tp2"] = {sp: _fused_tp(d, rank % 2, pair, sp) for sp in (False, True)}
     out["is_cp2"] = _is_weights_cp(d, rank // 2, rank % 2, pair)
+    out["trl_masks"] = _trl_masks(d, rank // 2, rank % 2, strided[rank % 2], pair)
     out["agree"] = _agreement(rank % 2, agree_pairs[rank // 2])
     dist.barrier(group=world)
     return out
@@ -418,3 +433,17 @@ def test_token_weights_over_a_group_that_agrees(results):
         status, w = outcomes["after_the_errors"]  # the group is still in step after the errors
         assert status == "ok"
         torch.testing.assert_close(w, torch.full((1, 9), 1 / (2 * 3), dtype=torch.float64), **TOL)  # S = 2
+
+
+def test_trl_masks_over_dp_and_cp_equal_the_one_process_masks(results):
+    d = _batch()
+    entropy = lmloss.rl.high_entropy_mask(d["ent"], d["mask"], 0.3)
+    off = lmloss.rl.off_policy_sequence_mask(d["lp"], d["rollout"] + d["shift"], d["adv"], d["mask"], threshold=0.05,
+                                             cu_seqlens=d["cu"])  # fmt: skip
+    got_entropy, got_off = torch.zeros_like(entropy), torch.zeros_like(off)
+    for r in range(WORLD):
+        pos, e, local, o = results[r]["trl_masks"]
+        got_entropy[pos], got_off[local] = e, o
+    assert torch.equal(got_entropy, entropy) and torch.equal(got_off, off)
+    for m in (entropy, off):  # each keeps some valid tokens and drops others
+        assert m[d["mask"]].any() and not m[d["mask"]].all()
