@@ -571,10 +571,11 @@ def covariance_selection(
         local = cov[valid]
         top_v, top_i = torch.topk(local, min(k, local.numel()), largest=True)
         if distributed:  # every rank's top k (padded), merged the same way on every rank
-            pad = k - top_v.numel()
-            mine = torch.stack([torch.cat([top_v, top_v.new_full((pad,), -math.inf)]),
-                                torch.cat([(top_i + offset).to(top_v.dtype), top_v.new_full((pad,), math.inf)])])  # fmt: skip
-            mine = mine.to(torch.float64)
+            pad = torch.full((k - top_v.numel(),), math.inf, dtype=torch.float64, device=top_v.device)
+            # float64 carries the global indices exactly (below 2**53)
+            mine = torch.stack(
+                [torch.cat([top_v.double(), -pad]), torch.cat([(top_i + offset).double(), pad])]
+            )
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(everyone, mine, group=group)
             allv, alli = torch.cat([t[0] for t in everyone]), torch.cat([t[1] for t in everyone])
