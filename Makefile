@@ -19,6 +19,12 @@ DEMO_STAMP := $(VENV)/.installed-sft-$(PYPROJECT_SUM)
 TORCH_PIN ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CONSTRAINT := $(VENV)/torch-constraint.txt
+# verl's actor losses are the reference of tests/test_rl_verl.py. verl's own requirements (ray[default], a
+# transformers older than the one trl needs, wandb, peft...) would be minutes of install and replace packages
+# of this venv, so verl is installed without them; so are tensordict and pyvers (pyvers would downgrade
+# packaging). What verl.trainer.ppo.core_algos imports besides is in the dev extra (omegaconf, codetiming,
+# cloudpickle, orjson); ray is stubbed by tests/verl_support.py.
+VERL_NO_DEPS := verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
 
 .PHONY: venv test demo lint bench clean
 
@@ -41,6 +47,7 @@ $(BASE_STAMP): pyproject.toml
 
 $(STAMP): $(BASE_STAMP)
 	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) -e ".[dev,sft]"
+	$(PY) -m pip install -q -c $(TORCH_CONSTRAINT) --no-deps $(VERL_NO_DEPS)
 	@touch $@ $(DEMO_STAMP)
 
 $(DEMO_STAMP): $(BASE_STAMP)

@@ -1,9 +1,11 @@
 """lmloss.rl.policy_loss / token_weights / rollout weights on one process, against float64 references.
 
-The references below are verl 0.9's actor loss written out plainly (``compute_policy_loss_vanilla`` /
-``_gspo`` / ``_cispo`` / ``_reinforce``, ``agg_loss``, ``kl_penalty``; the actor's total ``pg - entropy_coeff
-* agg(entropy) + kl_loss_coef * agg(kl)``), on ``[B, T]`` rows, with autograd for the reference gradients.
-verl itself is not a test dependency (its import pulls ray and more), so these stand in for it.
+The references below are plain float64 PyTorch math of verl 0.9.1's actor loss (``compute_policy_loss_vanilla``
+/ ``_gspo`` / ``_cispo`` / ``_reinforce``, ``agg_loss``, ``kl_penalty``; the actor's total ``pg - entropy_coeff
+* agg(entropy) + kl_loss_coef * agg(kl)``), on ``[B, T]`` rows, with autograd for the reference gradients;
+tests/test_rl_fused.py uses them too. verl's *own* functions are the reference in tests/test_rl_verl.py
+(every registered loss, ``agg_loss``, ``kl_penalty``) and TRL's ``GRPOTrainer`` in tests/test_rl_trl.py; the
+argument checks, refusals and the fused op's weights are here.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def ref_agg(loss_mat, mask, mode):
         return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs
     if mode == "seq-mean-token-mean":
         return ((loss_mat * m).sum(-1) / (seq_len + 1e-8) * (seq_len > 0)).sum() / n_seqs
-    if mode == "seq-mean-token-sum-norm":
-        return (loss_mat * m).sum() / mask.shape[-1]
+    if mode == "seq-mean-token-sum-norm":  # verl 0.9.1: the seq-mean of token sums, over the horizon
+        return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs / mask.shape[-1]
     raise AssertionError(mode)
 
 
@@ -82,7 +84,7 @@ def ref_actor_loss(mode, agg, lp, old, adv, mask, *, ref=None, kl_type="low_var_
     pg = ref_pg(mode, lp, old, adv, mask, **clip)
     if is_w is not None:
         pg = pg * is_w
-    loss = ref_agg(pg, mask, "seq-mean-token-mean" if mode == "gspo" else agg)
+    loss = ref_agg(pg, mask, agg)
     if ent is not None:
         loss = loss - ent_coef * ref_agg(ent, mask, agg)
     if ref is not None:
@@ -130,7 +132,9 @@ def _clip_kw(kw):
 def test_policy_loss_matches_verl_actor_loss_value_and_gradient(agg, mode, kw):
     lp, old, adv, ref, ent, mask = _batch()
     lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
-    opts = dict(ref_logprobs=ref, kl_loss_type="low_var_kl", kl_loss_coef=0.05, entropy=ent, entropy_coeff=0.01)
+    opts = dict(
+        ref_logprobs=ref, kl_loss_type="low_var_kl", kl_loss_coef=0.05, entropy=ent, entropy_coeff=0.01
+    )
     loss, _ = policy_loss(lp, old, adv, mask, loss_mode=mode, loss_agg_mode=agg, **kw, **opts)
     expected = ref_actor_loss(mode, agg, lp, old, adv, mask, ref=ref, kl_type="low_var_kl", kl_coef=0.05, ent=ent,
                               ent_coef=0.01, **_clip_kw(kw))  # fmt: skip
@@ -140,18 +144,18 @@ def test_policy_loss_matches_verl_actor_loss_value_and_gradient(agg, mode, kw):
 
 
 @pytest.mark.parametrize("agg", VERL_AGG_MODES)
-def test_gspo_matches_verl_with_its_sequence_ratio_and_seq_mean_token_mean(agg):
-    # verl's gspo always aggregates its pg term by seq-mean-token-mean; the entropy / KL terms use `agg`.
+def test_gspo_matches_the_sequence_ratio_under_every_agg_mode(agg):
+    # verl 0.9.1's gspo aggregates its pg term with the actor's loss_agg_mode (earlier verl forced
+    # seq-mean-token-mean); asymmetric clips so that swapping them changes the loss.
     lp, old, adv, ref, ent, mask = _batch(1)
     lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
-    w_pg = token_weights(mask, "seq-mean-token-mean", dtype=torch.float64)
-    w = token_weights(mask, agg, dtype=torch.float64)
-    pg, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", token_weights=w_pg, clip_ratio=0.2)
-    rest, _ = policy_loss(lp, lp.detach(), torch.zeros_like(adv), mask, loss_mode="reinforce", token_weights=w,
-                          ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent, entropy_coeff=0.02)  # fmt: skip
-    loss = pg + rest
+    # sequence ratios e^0.3, e^-0.25, e^0.2 (row 0 is masked): clipped by the asymmetric bounds on one side
+    old = lp.detach() - torch.tensor([0.0, 0.3, -0.25, 0.2], dtype=torch.float64)[:, None]
+    loss, _ = policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg, clip_ratio_low=0.05,
+                          clip_ratio_high=0.3, ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1", entropy=ent,
+                          entropy_coeff=0.02)  # fmt: skip
     expected = ref_actor_loss("gspo", agg, lp, old, adv, mask, ref=ref, kl_type="k1", kl_coef=0.1, ent=ent,
-                              ent_coef=0.02)  # fmt: skip
+                              ent_coef=0.02, low=0.05, high=0.3)  # fmt: skip
     torch.testing.assert_close(loss, expected, **REL)
     for got, want in zip(_grads(loss, lp, ent), _grads(expected, lp, ent)):
         torch.testing.assert_close(got, want, **REL)
@@ -164,10 +168,14 @@ def test_kl_loss_types_match_verl_kl_penalty_value_and_gradient(kl_type):
     ref[2, 3] = lp[2, 3] + 30.0  # beyond k3's clamps
     lp = lp.requires_grad_(True)
     loss, metrics = policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_loss_type=kl_type, kl_loss_coef=0.3)
-    expected = ref_actor_loss("vanilla", "token-mean", lp, old, adv, mask, ref=ref, kl_type=kl_type, kl_coef=0.3)
+    expected = ref_actor_loss(
+        "vanilla", "token-mean", lp, old, adv, mask, ref=ref, kl_type=kl_type, kl_coef=0.3
+    )
     torch.testing.assert_close(loss, expected, **REL)
     torch.testing.assert_close(_grads(loss, lp)[0], _grads(expected, lp)[0], **REL)
-    torch.testing.assert_close(metrics["kl_loss"], ref_agg(ref_kl(lp, ref, kl_type), mask, "token-mean").detach(), **REL)
+    torch.testing.assert_close(
+        metrics["kl_loss"], ref_agg(ref_kl(lp, ref, kl_type), mask, "token-mean").detach(), **REL
+    )
 
 
 def test_rollout_is_weights_multiply_the_policy_gradient_term_only():
@@ -191,7 +199,9 @@ def test_packed_tokens_with_cu_seqlens_equal_the_padded_rows(agg, mode):
     rows = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
     mask = mask & rows
     lp = lp.requires_grad_(True)
-    kw = dict(loss_mode=mode, loss_agg_mode=agg, ref_logprobs=ref, kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1)
+    kw = dict(
+        loss_mode=mode, loss_agg_mode=agg, ref_logprobs=ref, kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1
+    )
     want, _ = policy_loss(lp, old, adv, mask, **kw)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
@@ -216,7 +226,7 @@ def test_token_weights_are_the_global_denominators_of_each_mode():
     torch.testing.assert_close(w["seq-mean-token-sum"], m / 2)  # two sequences have a valid token
     lens = torch.tensor([2.0, 0.0, 4.0], dtype=torch.float64)[:, None]
     torch.testing.assert_close(w["seq-mean-token-mean"], m / ((lens + 1e-8) * 2))
-    torch.testing.assert_close(w["seq-mean-token-sum-norm"], m / 4)
+    torch.testing.assert_close(w["seq-mean-token-sum-norm"], m / (2 * 4))  # / (S * horizon), verl's
 
 
 def test_prompt_mean_weights_give_each_prompt_group_equal_total_weight():
@@ -224,7 +234,9 @@ def test_prompt_mean_weights_give_each_prompt_group_equal_total_weight():
     cu = torch.tensor([0, 3, 5, 9])  # sequences of 3, 2, 4 tokens
     prompt = torch.tensor([0, 0, 1])  # sequences 0 and 1 answer prompt 0, sequence 2 prompt 1
     w = token_weights(mask, "prompt-mean-token-mean", cu_seqlens=cu, prompt_ids=prompt, dtype=torch.float64)
-    expected = torch.tensor([1 / 4, 1 / 4, 1 / 4, 0, 1 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4], dtype=torch.float64) / 2
+    expected = (
+        torch.tensor([1 / 4, 1 / 4, 1 / 4, 0, 1 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4], dtype=torch.float64) / 2
+    )
     torch.testing.assert_close(w, expected)
 
 
@@ -287,13 +299,21 @@ def test_truncated_and_masked_is_weights(level):
 
 def test_nan_and_inf_at_masked_positions_give_exactly_zero_gradient():
     lp, old, adv, ref, ent, mask = _batch(7)
-    for t, v in ((lp, float("nan")), (old, float("inf")), (adv, float("-inf")), (ref, float("nan")), (ent, float("inf"))):
+    for t, v in (
+        (lp, float("nan")),
+        (old, float("inf")),
+        (adv, float("-inf")),
+        (ref, float("nan")),
+        (ent, float("inf")),
+    ):
         t[~mask] = v
     lp, ent = lp.requires_grad_(True), ent.requires_grad_(True)
-    for mode in ("vanilla", "gspo", "cispo", "reinforce"):
+    is_w = torch.where(mask, 0.9, float("nan")).double()
+    for mode in lmloss.rl.LOSS_MODES:
         loss, metrics = policy_loss(lp, old, adv, mask, loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None,
                                     loss_agg_mode="seq-mean-token-mean", ref_logprobs=ref, kl_loss_type="k3+",
-                                    kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1)  # fmt: skip
+                                    kl_loss_coef=0.1, entropy=ent, entropy_coeff=0.1, rollout_is_weights=is_w,
+                                    dro_beta=0.2, clip_cov_ratio=0.2, kl_cov_ratio=0.2)  # fmt: skip
         assert torch.isfinite(loss)
         g_lp, g_ent = _grads(loss, lp, ent)
         assert torch.equal(g_lp[~mask], torch.zeros_like(g_lp[~mask])), mode
@@ -323,6 +343,21 @@ def _bad(**over):
         (dict(clip_ratio_c=0.5), "clip_ratio_c"),
         (dict(clip_ratio_c=3.0, loss_mode="cispo"), "clip_ratio_c"),
         (dict(clip_ratio_low=-0.1), "clip_ratio_low"),
+        (dict(loss_mode="dro"), "dro_beta"),
+        (dict(loss_mode="dro", dro_beta=0.0), "dro_beta"),
+        (dict(loss_mode="sapo", clip_ratio_c=3.0), "clip_ratio_c"),
+        (dict(loss_mode="sapo", tau_neg=0.0), "tau_neg"),
+        (dict(loss_mode="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb"),
+        (dict(loss_mode="kl_cov", kl_cov_ratio=0.0), "kl_cov_ratio"),
+        (dict(loss_mode="vespo", vespo_k_pos=float("nan")), "vespo_k_pos"),
+        (dict(cov_selection=torch.zeros(B, T, dtype=torch.bool)), "cov_selection"),
+        (dict(pg_mask=torch.full((B, T), 0.5)), "pg_mask"),
+        (dict(mask=torch.full((B, T), 0.5)), "mask"),
+        (dict(mask=torch.full((B, T), 2)), "mask"),
+        (dict(horizon=float("inf"), loss_agg_mode="seq-mean-token-sum-norm"), "horizon"),
+        (dict(horizon=float("nan"), loss_agg_mode="seq-mean-token-sum-norm"), "horizon"),
+        (dict(horizon=0, loss_agg_mode="seq-mean-token-sum-norm"), "horizon"),
+        (dict(token_weights=torch.ones(B, T), loss_agg_mode="seq-mean-token-mean"), "token_weights"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(over, name):
@@ -337,10 +372,154 @@ def test_packed_input_errors_name_cu_seqlens_and_horizon():
     with pytest.raises(ValueError, match="cu_seqlens"):  # gspo too
         policy_loss(lp, old, adv, mask, loss_mode="gspo")
     with pytest.raises(ValueError, match="cu_seqlens covers 20 tokens but there are 28"):
-        policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-sum", cu_seqlens=torch.tensor([0, 10, 20]))
+        policy_loss(
+            lp, old, adv, mask, loss_agg_mode="seq-mean-token-sum", cu_seqlens=torch.tensor([0, 10, 20])
+        )
     with pytest.raises(ValueError, match="cu_seqlens covers 20 tokens"):  # checked in every mode
         policy_loss(lp, old, adv, mask, cu_seqlens=torch.tensor([0, 10, 20]))
     with pytest.raises(ValueError, match="horizon"):
         policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="prompt_ids"):
         token_weights(mask, "prompt-mean-token-mean", cu_seqlens=torch.tensor([0, 28]))
+
+
+@pytest.mark.parametrize(
+    "name", ["old_logprobs", "advantages", "ref_logprobs", "rollout_is_weights", "token_weights"]
+)
+def test_a_differentiable_constant_is_refused_naming_it(name):
+    lp, old, adv, ref, _, mask = _batch(10)
+    lp = lp.requires_grad_(True)
+    kw = dict(old_logprobs=old, advantages=adv, ref_logprobs=ref, rollout_is_weights=torch.ones(B, T).double(),
+              token_weights=token_weights(mask, dtype=torch.float64))  # fmt: skip
+    kw[name] = kw[name].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=f"{name} requires grad"):
+        policy_loss(lp, mask=mask, kl_loss_coef=0.1, **kw)
+    with pytest.raises(ValueError, match="old_logprobs requires grad"):  # the silent zero-gradient case
+        policy_loss(lp, lp, adv, mask)
+    with torch.no_grad():  # no graph, nothing to get wrong: accepted
+        policy_loss(lp, mask=mask, kl_loss_coef=0.1, **kw)
+    labels = torch.where(mask, 3, -100)
+    hidden, weight = (
+        torch.randn(B, T, 4, dtype=torch.float64),
+        torch.randn(9, 4, dtype=torch.float64, requires_grad=True),
+    )
+    kw.pop("token_weights") if name != "token_weights" else None
+    with pytest.raises(ValueError, match=f"{name} requires grad"):  # the fused op shares the check
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, kl_loss_coef=0.1, **kw)
+
+
+def test_a_0_1_mask_of_any_dtype_equals_the_bool_mask():
+    lp, old, adv, _, _, mask = _batch(11)
+    want, _ = policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    for m in (mask.double(), mask.int(), mask.to(torch.uint8)):
+        got, _ = policy_loss(lp, old, adv, m, loss_agg_mode="seq-mean-token-mean")
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1; it holds 0.5"):
+        token_weights(torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_token_weights_checks_ids_horizon_and_cu_seqlens_in_every_mode():
+    mask = torch.ones(6, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 6])
+    with pytest.raises(
+        TypeError, match="prompt_ids must be an integer tensor"
+    ):  # 0.9 would be truncated to 0
+        token_weights(mask, "prompt-mean-token-mean", cu_seqlens=cu, prompt_ids=torch.tensor([0.9, 1.0]))
+    with pytest.raises(TypeError, match="sequence_ids must be an integer tensor"):
+        policy_loss(torch.zeros(6).double(), torch.zeros(6).double(), torch.ones(6).double(), mask, loss_mode="gspo",
+                    sequence_ids=torch.tensor([0.0, 0.9, 1.0, 1.0, 1.0, 1.0]), cu_seqlens=cu)  # fmt: skip
+    with pytest.raises(TypeError, match="sequence_ids"):
+        lmloss.rl.truncated_is_weights(torch.zeros(6).double(), torch.zeros(6).double(), mask, level="sequence",
+                                       sequence_ids=torch.zeros(6))  # fmt: skip
+    for bad in (float("inf"), float("nan"), -1.0, 0, True):
+        with pytest.raises(ValueError, match="horizon must be a finite number > 0"):
+            token_weights(mask.view(2, 3), "seq-mean-token-sum-norm", horizon=bad)
+    for mode in ("token-mean", "token-sum", "seq-mean-token-mean"):  # an unused cu_seqlens is checked too
+        with pytest.raises(ValueError, match="cu_seqlens covers 5 tokens but there are 6"):
+            token_weights(mask, mode, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="prompt_ids is for"):
+        token_weights(mask, "token-mean", prompt_ids=torch.tensor([0]))
+
+
+def test_rollout_weights_of_a_differentiable_policy_are_detached():
+    # bypass mode weighs REINFORCE by the *current* policy's ratio to the rollout's: the weights must not
+    # carry its gradient (verl computes them under no_grad)
+    lp, old, adv, _, _, mask = _batch(12)
+    lp = lp.requires_grad_(True)
+    for level in ("token", "sequence"):
+        for w in (lmloss.rl.truncated_is_weights(lp, old, mask, cap=1.5, level=level),
+                  lmloss.rl.masked_is_weights(lp, old, mask, lower=0.5, upper=1.5, level=level)):  # fmt: skip
+            assert not w.requires_grad
+            loss, _ = policy_loss(lp, old, adv, mask, loss_mode="reinforce", rollout_is_weights=w)
+            want = -(adv * lp * w * mask).sum() / mask.sum()
+            torch.testing.assert_close(_grads(loss, lp)[0], _grads(want, lp)[0], **REL)
+
+
+def test_linear_policy_loss_uses_the_given_token_weights():
+    # the fused op against policy_loss on the materialized log-probs, with weights no mode produces
+    g = torch.Generator().manual_seed(13)
+    n, h, v = 10, 4, 7
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[2, 7]] = -100
+    mask = labels != -100
+    old = -torch.rand(n, generator=g, dtype=torch.float64) - 1.5
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * mask
+    for mode in ("vanilla", "sapo", "gspo"):
+        cu = torch.tensor([0, 4, 10])
+        got, _ = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, loss_mode=mode, token_weights=w,
+                                              cu_seqlens=cu, chunk_size=3)  # fmt: skip
+        lp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        want, _ = policy_loss(lp, old, adv, mask, loss_mode=mode, token_weights=w, cu_seqlens=cu)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(_grads(got, weight)[0], _grads(want, weight)[0], rtol=1e-10, atol=1e-12)
+        default, _ = lmloss.rl.linear_policy_loss(
+            hidden, weight, labels, old, adv, loss_mode=mode, cu_seqlens=cu
+        )
+        assert not torch.isclose(default, got, rtol=1e-3)  # the weights matter in this case
+    with pytest.raises(ValueError, match="token_weights and loss_agg_mode='token-sum'"):
+        lmloss.rl.linear_policy_loss(
+            hidden, weight, labels, old, adv, token_weights=w, loss_agg_mode="token-sum"
+        )
+
+
+def test_pg_mask_drops_the_policy_term_but_keeps_the_denominators():
+    lp, old, adv, ref, _, mask = _batch(14)
+    keep = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) > 0.5
+    got, _ = policy_loss(
+        lp, old, adv, mask, pg_mask=keep, ref_logprobs=ref, kl_loss_coef=0.1, kl_loss_type="k1"
+    )
+    pg = ref_pg("vanilla", lp, old, adv, mask) * keep
+    want = ref_agg(pg + 0.1 * (lp - ref), mask, "token-mean")
+    torch.testing.assert_close(got, want, **REL)
+
+
+def test_linear_policy_loss_runs_every_loss_mode_like_policy_loss():
+    # the fused op at each objective's default options (it has no dro_beta: "dro" is refused), chunked
+    g = torch.Generator().manual_seed(15)
+    n, h, v = 12, 4, 7
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[1, 8]] = -100
+    mask, cu = labels != -100, torch.tensor([0, 5, 12])
+    lp0 = torch.log_softmax(hidden @ weight.detach().T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    old = lp0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    for mode in lmloss.rl.LOSS_MODES:
+        kw = dict(loss_mode=mode, loss_agg_mode="seq-mean-token-mean", cu_seqlens=cu)
+        if mode == "dro":
+            with pytest.raises(ValueError, match="dro_beta"):
+                lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, **kw)
+            continue
+        torch.manual_seed(0)
+        got, _ = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, chunk_size=5, **kw)
+        lp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+        torch.manual_seed(0)
+        want, _ = policy_loss(lp, old, adv, mask, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=mode)
+        torch.testing.assert_close(
+            _grads(got, weight)[0], _grads(want, weight)[0], rtol=1e-10, atol=1e-12, msg=mode
+        )

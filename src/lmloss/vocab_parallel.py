@@ -99,6 +99,7 @@ LABEL_FIELDS = ("label_min", "label_max", "labels_count", "labels_sum", "labels_
 TENSOR_FIELDS = (
     "mask",  # ops whose labels only say which tokens count (distillation): labels != ignore_index
     "advantages", "old_logprobs", "ref_logprobs", "rollout_is_weights", "token_weights", "sequence_ids",
+    "pg_mask", "cov_selection",
     "top_k", "top_p", "min_p", "support", "teacher_ids", "teacher_logprobs",
 )  # fmt: skip
 FLOAT_FIELDS = frozenset(

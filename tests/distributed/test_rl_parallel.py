@@ -13,10 +13,21 @@ the whole batch (pinned to verl's formulas in tests/test_rl.py) to 1e-12:
   ddp       DP=2 with `DistributedDataParallel` (which *averages* gradients): each rank's share times
             ``dp_size`` gives the one-process gradient of a small model's weight;
   fused_tp2 `linear_policy_loss` with the vocabulary sharded over TP=2 ({0,1}, {2,3}), with and without
-            sequence parallelism, against the one-process float64 loss on the materialized logits.
+            sequence parallelism, against the one-process float64 loss on the materialized logits;
+  is_cp2    sequence-level rollout IS weights (TIS, MIS) on DP=2 x CP=2 pieces (`sequence_ids`, the CP
+            group), against the one-process weights;
+  agree     `token_weights` over 2-rank groups ({0,1}, {2,3}) whose ranks pass different modes, a bad
+            argument on one rank, different resolved horizons...: every rank raises the same error, and
+            the group still works after it (the groups have a 60 s timeout: a rank left waiting fails).
+
+The sequence objectives (gspo, geo_mean, vespo) all-reduce their per-sequence sums over CP; clip_cov /
+kl_cov take `covariance_selection` made over the DP group on each rank's whole sequences, split like the
+weights, and equal to the one-process selection.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import pytest
 import torch
@@ -33,6 +44,12 @@ HORIZON = 12
 TOL = dict(rtol=1e-12, atol=1e-13)
 AGG_MODES = lmloss.rl.LOSS_AGG_MODES
 CASES = [("vanilla", agg) for agg in AGG_MODES] + [("gspo", "seq-mean-token-mean"), ("gspo", "token-mean")]
+CASES += [("geo_mean", "seq-mean-token-mean"), ("vespo", "token-mean"), ("sapo", "seq-mean-token-sum-norm"),
+          ("clip_cov", "seq-mean-token-mean"), ("kl_cov", "token-mean")]  # fmt: skip
+CASES_AGG = {"clip_cov": "seq-mean-token-mean", "kl_cov": "token-mean"}
+SELECTION = dict(
+    clip_ratio_high=0.28, clip_cov_ratio=0.1, clip_cov_lb=0.05, clip_cov_ub=5.0, kl_cov_ratio=0.1
+)
 METRIC_KEYS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ratio_mean", "ratio_max", "ratio_min", "entropy",
                "pg_loss", "kl_loss", "entropy_loss", "policy_tokens")  # fmt: skip
 V, H = 10, 3  # the DDP model and the fused head
@@ -52,14 +69,26 @@ def _batch():
     )
     d["old"] = d["lp"] + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
     d["ref"] = d["lp"] + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["rollout"] = d["old"] + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["shift"] = torch.arange(n).div(8, rounding_mode="floor").remainder(3).double() * 0.1  # per 8 tokens
     d["mask"][8:12] = False  # sequence 1 has no valid token
     d["cu"] = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
     return d
 
 
 def _options(mode, agg):
-    return dict(loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None, clip_ratio_high=0.28,
-                ref_logprobs=None, kl_loss_type="k3", kl_loss_coef=0.1, entropy_coeff=0.01)  # fmt: skip
+    return dict(loss_mode=mode, clip_ratio_c=3.0 if mode == "vanilla" else None, ref_logprobs=None,
+                kl_loss_type="k3", kl_loss_coef=0.1, entropy_coeff=0.01, **SELECTION)  # fmt: skip
+
+
+def _selection(d, pos, mode, group):
+    """`covariance_selection` of the tokens at `pos` (a DP rank's whole sequences) over `group`, or None."""
+    if mode not in ("clip_cov", "kl_cov"):
+        return None
+    return lmloss.rl.covariance_selection(
+        d["lp"][pos], d["old"][pos], d["adv"][pos], d["mask"][pos], loss_mode=mode, group=group,
+        generator=torch.Generator().manual_seed(0), **SELECTION,
+    )  # fmt: skip
 
 
 def _sequences(d, seqs):
@@ -70,7 +99,7 @@ def _sequences(d, seqs):
     return pos, local_cu, PROMPTS[seqs[0] : seqs[-1] + 1]
 
 
-def _share(d, pos, w, mode, agg, *, cu=None, sequence_ids=None, cp_group=None, tracker=None):
+def _share(d, pos, w, mode, agg, *, cu=None, sequence_ids=None, cp_group=None, tracker=None, sel=None):
     """Loss share of the tokens at `pos` with weights `w`, and its gradients w.r.t. lp and entropy there."""
     lp = d["lp"][pos].clone().requires_grad_(True)
     ent = d["ent"][pos].clone().requires_grad_(True)
@@ -78,7 +107,7 @@ def _share(d, pos, w, mode, agg, *, cu=None, sequence_ids=None, cp_group=None, t
     opts["ref_logprobs"] = d["ref"][pos]
     loss, _ = policy_loss(
         lp, d["old"][pos], d["adv"][pos], d["mask"][pos], token_weights=w, cu_seqlens=cu, sequence_ids=sequence_ids,
-        cp_group=cp_group, entropy=ent, tracker=tracker, **opts,
+        cp_group=cp_group, entropy=ent, tracker=tracker, cov_selection=sel, **opts,
     )  # fmt: skip
     g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
     return loss.detach(), pos, g_lp, g_ent
@@ -88,27 +117,97 @@ def _dp_microbatches(d, dp_rank, dp, world_group, mode, agg):
     seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
     pos, cu, prompts = _sequences(d, seqs)
     extra = dict(prompt_ids=prompts) if agg == "prompt-mean-token-mean" else {}
-    w = token_weights(d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra)
+    w = token_weights(
+        d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra
+    )
+    sel = _selection(d, pos, mode, dp)
     tracker = lmloss.StatsTracker(group=world_group)
     parts = []
     for mb in (seqs[:2], seqs[2:]):
         mb_pos, mb_cu, _ = _sequences(d, mb)
         sl = slice(int(mb_pos[0] - pos[0]), int(mb_pos[-1] - pos[0]) + 1)
-        parts.append(_share(d, mb_pos, w[sl], mode, agg, cu=mb_cu, tracker=tracker))
-    return parts, tracker.export()
+        mb_sel = None if sel is None else sel[sl]
+        parts.append(_share(d, mb_pos, w[sl], mode, agg, cu=mb_cu, tracker=tracker, sel=mb_sel))
+    return parts, tracker.export(), (pos, sel)
 
 
 def _dp_cp(d, dp_rank, cp_rank, dp, cp, world_group, mode, agg):
     seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
     pos, cu, prompts = _sequences(d, seqs)
     extra = dict(prompt_ids=prompts) if agg == "prompt-mean-token-mean" else {}
-    w = token_weights(d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra)
+    w = token_weights(
+        d["mask"][pos], agg, cu_seqlens=cu, group=dp, horizon=HORIZON, dtype=torch.float64, **extra
+    )
+    sel = _selection(d, pos, mode, dp)
     local_pos = lmloss.cp.split(pos, cu, 2, cp_rank)
     local_w = lmloss.cp.split(w, cu, 2, cp_rank)
+    local_sel = None if sel is None else lmloss.cp.split(sel, cu, 2, cp_rank)
     seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
     tracker = lmloss.StatsTracker(group=world_group)
-    part = _share(d, local_pos, local_w, mode, agg, cu=cu, sequence_ids=seq_ids, cp_group=cp, tracker=tracker)
-    return [part], tracker.export()
+    part = _share(d, local_pos, local_w, mode, agg, cu=cu, sequence_ids=seq_ids, cp_group=cp, tracker=tracker,
+                  sel=local_sel)  # fmt: skip
+    return [part], tracker.export(), (pos, sel)
+
+
+def _is_weights_cp(d, dp_rank, cp_rank, cp):
+    """Sequence-level TIS / MIS weights of this DP x CP piece (old vs a rollout near it)."""
+    pos, cu, _ = _sequences(d, list(range(4 * dp_rank, 4 * dp_rank + 4)))
+    local = lmloss.cp.split(pos, cu, 2, cp_rank)
+    seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
+    args = (d["old"][local], d["rollout"][local], d["mask"][local])
+    kw = dict(level="sequence", sequence_ids=seq_ids, cu_seqlens=cu, cp_group=cp)
+    return (
+        local,
+        lmloss.rl.truncated_is_weights(*args, cap=1.05, **kw),
+        lmloss.rl.masked_is_weights(*args, lower=0.9, upper=1.05, **kw),
+    )
+
+
+def _trl_masks(d, dp_rank, cp_rank, dp, cp):
+    """TRL's masks: the high-entropy mask over the DP group (each rank's whole sequences), and the
+    off-policy sequence mask on this DP x CP piece (its sequences' sums all-reduced over CP)."""
+    pos, cu, _ = _sequences(d, list(range(4 * dp_rank, 4 * dp_rank + 4)))
+    entropy = lmloss.rl.high_entropy_mask(d["ent"][pos], d["mask"][pos], 0.3, group=dp)
+    local = lmloss.cp.split(pos, cu, 2, cp_rank)
+    seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
+    off = lmloss.rl.off_policy_sequence_mask(d["lp"][local], d["rollout"][local] + d["shift"][local], d["adv"][local],
+                                             d["mask"][local], threshold=0.05, sequence_ids=seq_ids, cu_seqlens=cu,
+                                             cp_group=cp)  # fmt: skip
+    return pos, entropy, local, off
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - the type and message are what the test compares
+        return type(e).__name__, str(e), isinstance(e, ValueError), isinstance(e, TypeError)
+
+
+def _agreement(r, group):
+    """`token_weights` over a 2-rank group; r is this rank's index in it. 9 valid tokens per rank."""
+    rows = torch.ones(1, 9, dtype=torch.bool)
+    flat, cu = torch.ones(9, dtype=torch.bool), torch.tensor([0, 4, 9])
+
+    def tw(*a, **k):
+        return token_weights(*a, group=group, dtype=torch.float64, **k)
+
+    scenarios = {
+        "agree": lambda: tw(rows, "token-mean"),
+        "modes": lambda: tw(rows, ["token-mean", "seq-mean-token-mean"][r]),
+        "token_sum_on_one_rank": lambda: tw(rows, ["token-sum", "token-mean"][r]),
+        "horizon_inf": lambda: tw(rows, "seq-mean-token-sum-norm", horizon=[12, float("inf")][r]),
+        "horizon_nan": lambda: tw(rows, "seq-mean-token-sum-norm", horizon=[float("nan"), 12][r]),
+        "float_prompt_ids": lambda: tw(
+            flat,
+            "prompt-mean-token-mean",
+            cu_seqlens=cu,
+            prompt_ids=[torch.tensor([0.0, 1.0]), torch.tensor([0, 1])][r],
+        ),  # fmt: skip
+        "resolved_horizon": lambda: tw(torch.ones(1, [9, 7][r], dtype=torch.bool), "seq-mean-token-sum-norm"),
+        "unused_cu_seqlens": lambda: tw(flat, "token-mean", cu_seqlens=[cu, torch.tensor([0, 4, 8])][r]),
+        "after_the_errors": lambda: tw(rows, "seq-mean-token-sum-norm", horizon=3),
+    }
+    return {name: _outcome(fn) for name, fn in scenarios.items()}
 
 
 def _ddp(d, dp_rank, dp):
@@ -156,8 +255,13 @@ def _fused_tp(d, tp_rank, tp, sp):
 
 def worker(rank: int, world_size: int) -> dict:
     world = dist.new_group(list(range(world_size)))
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # dp2_mb2 DP groups; dp2_cp2 CP groups; TP groups
+    pairs = [
+        dist.new_group([0, 1]),
+        dist.new_group([2, 3]),
+    ]  # dp2_mb2 DP groups; dp2_cp2 CP groups; TP groups
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # dp2_cp2 DP groups
+    timeout = datetime.timedelta(seconds=60)  # a rank left waiting in a collective fails instead of hanging
+    agree_pairs = [dist.new_group([0, 1], timeout=timeout), dist.new_group([2, 3], timeout=timeout)]
     pair = pairs[rank // 2]
     d = _batch()
     out = {"dp2_mb2": {}, "dp2_cp2": {}}
@@ -166,6 +270,10 @@ def worker(rank: int, world_size: int) -> dict:
         out["dp2_cp2"][mode, agg] = _dp_cp(d, rank // 2, rank % 2, strided[rank % 2], pair, world, mode, agg)
     out["ddp"] = _ddp(d, rank % 2, pair)
     out["fused_tp2"] = {sp: _fused_tp(d, rank % 2, pair, sp) for sp in (False, True)}
+    out["is_cp2"] = _is_weights_cp(d, rank // 2, rank % 2, pair)
+    out["trl_masks"] = _trl_masks(d, rank // 2, rank % 2, strided[rank % 2], pair)
+    out["agree"] = _agreement(rank % 2, agree_pairs[rank // 2])
+    dist.barrier(group=world)
     return out
 
 
@@ -180,8 +288,9 @@ def _one_process(d, mode, agg, *, tracker=None):
     opts["ref_logprobs"] = d["ref"]
     w = token_weights(d["mask"], agg, cu_seqlens=d["cu"], horizon=HORIZON, dtype=torch.float64,
                       **({"prompt_ids": PROMPTS} if agg == "prompt-mean-token-mean" else {}))  # fmt: skip
+    sel = _selection(d, torch.arange(d["lp"].numel()), mode, None)
     loss, _ = policy_loss(lp, d["old"], d["adv"], d["mask"], token_weights=w, cu_seqlens=d["cu"], entropy=ent,
-                          tracker=tracker, **opts)  # fmt: skip
+                          tracker=tracker, cov_selection=sel, **opts)  # fmt: skip
     g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
     return loss.detach(), g_lp, g_ent
 
@@ -260,3 +369,81 @@ def test_fused_policy_loss_over_tp2_equals_the_float64_reference(results, sp, mo
         rows = slice(tp_rank * n // 2, (tp_rank + 1) * n // 2) if sp else slice(None)
         torch.testing.assert_close(gh, want_h[rows], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(gw, want_w[tp_rank * 5 : tp_rank * 5 + 5], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("config", ["dp2_mb2", "dp2_cp2"])
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_covariance_selection_over_the_dp_group_is_the_one_process_selection(results, config, mode):
+    d = _batch()
+    want = _selection(d, torch.arange(d["lp"].numel()), mode, None)
+    got = torch.zeros_like(want)
+    for r in range(WORLD):
+        pos, sel = results[r][config][mode, CASES_AGG[mode]][2]
+        got[pos] = sel
+    assert torch.equal(got, want)
+    assert 1 < want.sum() < d["mask"].sum()  # several tokens from both DP halves, not all
+    assert want[:32].any() and want[32:].any()
+
+
+def test_sequence_level_is_weights_under_cp_equal_the_one_process_weights(results):
+    d = _batch()
+    kw = dict(level="sequence", cu_seqlens=d["cu"])
+    tis = lmloss.rl.truncated_is_weights(d["old"], d["rollout"], d["mask"], cap=1.05, **kw)
+    mis = lmloss.rl.masked_is_weights(d["old"], d["rollout"], d["mask"], lower=0.9, upper=1.05, **kw)
+    got_tis, got_mis = torch.zeros_like(tis), torch.zeros_like(mis)
+    for r in range(WORLD):
+        pos, t, m = results[r]["is_cp2"]
+        got_tis[pos], got_mis[pos] = t, m
+    torch.testing.assert_close(got_tis, tis, **TOL)
+    torch.testing.assert_close(got_mis, mis, **TOL)
+    assert (tis[d["mask"]] == 1.05).any() and (tis[d["mask"]] < 1.05).any()
+    assert (mis[d["mask"]] == 0).any() and (mis[d["mask"]] > 0).any()
+
+
+AGREE_ERRORS = {
+    "modes": "disagree on mode",
+    "token_sum_on_one_rank": "disagree on mode",
+    "horizon_inf": "horizon must be a finite number > 0, got inf",
+    "horizon_nan": "horizon must be a finite number > 0, got nan",
+    "float_prompt_ids": "prompt_ids must be an integer tensor",
+    "resolved_horizon": "disagree on horizon",
+    "unused_cu_seqlens": "cu_seqlens covers 8 tokens but there are 9",
+}
+
+
+@pytest.mark.parametrize("scenario", list(AGREE_ERRORS))
+def test_token_weights_ranks_raise_the_same_error_when_they_disagree(results, scenario):
+    for pair in ((0, 1), (2, 3)):
+        outcomes = [results[r]["agree"][scenario] for r in pair]
+        assert outcomes[0] == outcomes[1], outcomes  # the same error on both ranks (none waits)
+        kind, message, is_value_error, is_type_error = outcomes[0]
+        assert kind.startswith("RankAgreement") and is_value_error, outcomes[0]
+        assert AGREE_ERRORS[scenario] in message, message
+        assert is_type_error == (scenario == "float_prompt_ids")
+
+
+def test_token_weights_over_a_group_that_agrees(results):
+    for r in range(WORLD):
+        outcomes = results[r]["agree"]
+        status, w = outcomes["agree"]
+        assert status == "ok"
+        torch.testing.assert_close(
+            w, torch.full((1, 9), 1 / 18, dtype=torch.float64), **TOL
+        )  # 18 global tokens
+        status, w = outcomes["after_the_errors"]  # the group is still in step after the errors
+        assert status == "ok"
+        torch.testing.assert_close(w, torch.full((1, 9), 1 / (2 * 3), dtype=torch.float64), **TOL)  # S = 2
+
+
+def test_trl_masks_over_dp_and_cp_equal_the_one_process_masks(results):
+    d = _batch()
+    entropy = lmloss.rl.high_entropy_mask(d["ent"], d["mask"], 0.3)
+    off = lmloss.rl.off_policy_sequence_mask(d["lp"], d["rollout"] + d["shift"], d["adv"], d["mask"], threshold=0.05,
+                                             cu_seqlens=d["cu"])  # fmt: skip
+    got_entropy, got_off = torch.zeros_like(entropy), torch.zeros_like(off)
+    for r in range(WORLD):
+        pos, e, local, o = results[r]["trl_masks"]
+        got_entropy[pos], got_off[local] = e, o
+    assert torch.equal(got_entropy, entropy) and torch.equal(got_off, off)
+    for m in (entropy, off):  # each keeps some valid tokens and drops others
+        assert m[d["mask"]].any() and not m[d["mask"]].all()

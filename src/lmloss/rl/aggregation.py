@@ -9,6 +9,12 @@ summed over the DP group. The weights are then a per-token tensor like any other
 global length, and the per-rank, per-micro-batch losses ``sum(w_local * loss_local)`` add up to the global
 loss exactly.
 
+Under a group, the ranks first *agree* (`agree_over_group`): one all-gather of a fixed-size vector carries
+each rank's options (the mode, the horizon, the dtype...), its local counts and whether its own checks
+failed; a failed check or a disagreement raises the same `lmloss.vocab_parallel.RankAgreementError` on
+every rank, so no rank is left waiting in a collective the others skipped. Every rank then issues the
+same collectives.
+
 The convention (lmloss's everywhere, as `cross_entropy(..., mean_group=g)`): per-rank losses *sum* to the
 global loss. A data-parallel wrapper that *averages* gradients over ``dp_size`` ranks (DDP, FSDP) needs
 each rank's loss multiplied by ``dp_size`` (verl's ``* dp_size`` in ``agg_loss``), or the reduced gradient
@@ -17,11 +23,16 @@ is the global one divided by ``dp_size``.
 
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
+from lmloss._validate import check_group
 from lmloss.packing import as_cu_seqlens, check_cu_seqlens
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, RankAgreementError, RankAgreementTypeError, all_reduce_sum_
 
 #: verl's ``loss_agg_mode`` names, and lmloss's prompt-group mode.
 LOSS_AGG_MODES = (
@@ -34,12 +45,30 @@ LOSS_AGG_MODES = (
 )
 #: verl adds this to each sequence's token count in ``seq-mean-token-mean`` (kept for parity).
 SEQ_LEN_EPS = 1e-8
+#: Bytes of each rank's error message in the second all-gather (made only when some rank failed a check).
+MESSAGE_BYTES = 512
+#: The fields of `token_weights`' agreement vector; ``tokens``, ``seqs`` and ``prompts`` are this rank's
+#: counts (summed / maxed after the gather), every other field must be equal on every rank.
+TOKEN_WEIGHT_FIELDS = ("mode", "horizon", "dtype", "prompt_ids", "tokens", "seqs", "prompts")
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
-__all__ = ["LOSS_AGG_MODES", "check_mask", "sequence_index", "token_weights"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "agree_over_group",
+    "check_ids",
+    "check_mask",
+    "group_size",
+    "sequence_index",
+    "token_weights",
+]
 
 
 def check_mask(mask: object, shape: torch.Size | None = None, *, name: str = "mask") -> torch.Tensor:
-    """`mask` as bool (nonzero = valid), ``[B, T]`` rows or ``[N]`` packed tokens, of `shape` when given."""
+    """`mask` as bool, ``[B, T]`` rows or ``[N]`` packed tokens, of `shape` when given.
+
+    A bool tensor, or a numeric one whose every value is 0 or 1 (checked: 0.5 or -1 is a bug upstream,
+    not "valid"; this check costs one host sync for a non-bool mask).
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if shape is not None and mask.shape != shape:
@@ -48,7 +77,29 @@ def check_mask(mask: object, shape: torch.Size | None = None, *, name: str = "ma
         raise ValueError(
             f"{name} must be [B, T] (one sequence per row) or [N] (packed), got {tuple(mask.shape)}"
         )
-    return mask if mask.dtype == torch.bool else mask != 0
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or 0/1, got {mask.dtype}")
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        value = mask[bad][0].item()
+        raise ValueError(
+            f"{name} must be bool or hold only 0 and 1; it holds {value!r} (a weight is not a mask: pass "
+            f"weights as token_weights or rollout_is_weights)"
+        )
+    return mask != 0
+
+
+def check_ids(name: str, t: object, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """An integer id tensor of `shape` (float ids would be truncated: 0.9 -> 0), as int64."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (int32 / int64), got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t.long()
 
 
 def sequence_index(
@@ -70,14 +121,7 @@ def sequence_index(
         return torch.arange(b, device=device).repeat_interleave(t), b
     n = shape[0]
     if sequence_ids is not None:
-        if not isinstance(sequence_ids, torch.Tensor) or sequence_ids.shape != shape:
-            got = (
-                tuple(sequence_ids.shape)
-                if isinstance(sequence_ids, torch.Tensor)
-                else type(sequence_ids).__name__
-            )
-            raise ValueError(f"sequence_ids must be an int tensor of shape {tuple(shape)}, got {got}")
-        ids = sequence_ids.to(device).long()
+        ids = check_ids("sequence_ids", sequence_ids, shape).to(device)
         if cu_seqlens is not None:
             count = as_cu_seqlens(cu_seqlens).numel() - 1
         else:
@@ -89,12 +133,115 @@ def sequence_index(
         raise ValueError(
             f"{need} on packed 1-D tokens needs cu_seqlens (or sequence_ids) to know where sequences are"
         )
-    bounds = check_cu_seqlens(cu_seqlens, name="cu_seqlens")
-    if bounds[-1] != n:
-        raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but there are {n}: it must end at {n}")
+    check_packed_cu_seqlens(cu_seqlens, n)
     cu = as_cu_seqlens(cu_seqlens).to(device).long()
     lengths = cu[1:] - cu[:-1]
     return torch.arange(lengths.numel(), device=device).repeat_interleave(lengths), lengths.numel()
+
+
+def check_packed_cu_seqlens(cu_seqlens: object, n: int) -> None:
+    """`cu_seqlens` must be valid boundaries ending at `n` (the packed tokens)."""
+    bounds = check_cu_seqlens(cu_seqlens, name="cu_seqlens")
+    if bounds[-1] != n:
+        raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but there are {n}: it must end at {n}")
+
+
+def check_horizon(horizon: object) -> float:
+    """verl's ``loss_scale_factor``: a finite number > 0 (inf would zero the loss and nan poison it)."""
+    if (
+        isinstance(horizon, bool)
+        or not isinstance(horizon, (int, float))
+        or not math.isfinite(horizon)
+        or horizon <= 0
+    ):
+        raise ValueError(f"horizon must be a finite number > 0, got {horizon!r}")
+    return float(horizon)
+
+
+# ----------------------------------------------------------------------------------- rank agreement
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """The number of ranks of `group` (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _collective_device(group: ProcessGroup, like: object) -> torch.device:
+    if isinstance(like, torch.Tensor):
+        return like.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def _unbits(v: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", v))[0]
+
+
+def agree_over_group(
+    group: ProcessGroup,
+    what: str,
+    fields: Sequence[str],
+    values: dict[str, int | float],
+    *,
+    per_rank: Sequence[str] = (),
+    floats: Sequence[str] = (),
+    error: BaseException | None = None,
+    like: object = None,
+) -> list[dict[str, int | float]]:
+    """Every rank's `values` after ONE all-gather of a fixed-size int64 vector over `group`.
+
+    The vector is ``[error code, *fields]`` on every rank whatever its arguments (a field missing from
+    `values` travels as 0; `floats` travel as their float64 bits). `error`: this rank's failed check
+    (raised here after the gather, on every rank). Then, on every rank alike: if some rank failed, a
+    second fixed-size all-gather carries the messages and every rank raises the same
+    `RankAgreementError` (`RankAgreementTypeError` for a `TypeError`); otherwise every field not in
+    `per_rank` must be equal on every rank, or every rank raises naming the field and each rank's value.
+    `what` names the function for the messages; `like`: a tensor on the collectives' device.
+    """
+    device = _collective_device(group, like)
+    code = 0 if error is None else 2 if isinstance(error, TypeError) else 1
+    row = [code] + [_bits(values.get(k, 0.0)) if k in floats else int(values.get(k, 0)) for k in fields]
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    rows = [t.tolist() for t in everyone]
+    failed = [i for i, r in enumerate(rows) if r[0]]
+    if failed:
+        text = b"" if error is None else str(error).encode()[:MESSAGE_BYTES]
+        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        buf = buf.to(device)
+        texts = [torch.empty_like(buf) for _ in rows]
+        dist.all_gather(texts, buf, group=group)
+        messages = [bytes(texts[i].cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for i in failed]
+        if len(set(messages)) == 1:
+            who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+            detail = f"{what}: {who} of {len(rows)} rejected its arguments: {messages[0]}"
+        else:
+            detail = f"{what}: ranks rejected their arguments: " + "; ".join(
+                f"rank {i}: {m}" for i, m in zip(failed, messages)
+            )
+        kind = RankAgreementTypeError if any(rows[i][0] == 2 for i in failed) else RankAgreementError
+        raise kind(f"{detail} (raised on every rank of the group, so that none waits in a collective)")
+    ranks = [{k: _unbits(v) if k in floats else v for k, v in zip(fields, r[1:])} for r in rows]
+    for k in fields:
+        if k in per_rank:
+            continue
+        seen = [r[k] for r in ranks]
+        if len(set(seen)) > 1:
+            raise RankAgreementError(
+                f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
+                f"same value, or they would compute inconsistent weights or issue different collectives"
+            )
+    return ranks
+
+
+# ----------------------------------------------------------------------------------- token weights
 
 
 def token_weights(
@@ -103,7 +250,7 @@ def token_weights(
     *,
     cu_seqlens: torch.Tensor | None = None,
     group: ProcessGroup | None = None,
-    horizon: int | None = None,
+    horizon: float | None = None,
     prompt_ids: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -111,26 +258,33 @@ def token_weights(
 
     Call it once per global batch, on this DP rank's whole sequences (before `lmloss.cp.split` and
     micro-batch slicing, which then carry ``w`` like any per-token tensor). With `group` (the DP group),
-    the counts are summed over it (one all-reduce of a few numbers; every rank must call), so each
-    rank's weights are its share of the global denominators and the ranks' losses *sum* to the global one.
+    every rank must call it: one all-gather of a fixed-size vector agrees on the mode and options and
+    sums the counts (plus one all-reduce of the per-prompt counts in the prompt mode), so each rank's
+    weights are its share of the global denominators and the ranks' losses *sum* to the global one. A
+    rank whose arguments fail a check, or that disagrees with the others (mode, horizon, dtype, whether
+    `prompt_ids` is given), makes every rank raise the same `RankAgreementError`.
 
     Args:
         mask: bool (or 0/1) ``[B, T]`` (one sequence per row) or ``[N]`` packed tokens; True = counts.
-        loss_agg_mode: verl's names, with ``n`` = valid tokens, ``S`` = sequences with a valid token,
-            ``len_s`` = valid tokens of sequence s (all global):
+        loss_agg_mode: verl's names (``agg_loss`` in ``verl.trainer.ppo.core_algos``), with ``n`` = valid
+            tokens, ``S`` = sequences with a valid token, ``len_s`` = valid tokens of sequence s (all
+            global):
 
             * ``"token-mean"``: ``mask / n``;
             * ``"token-sum"``: ``mask``;
             * ``"seq-mean-token-sum"``: ``mask / S``;
             * ``"seq-mean-token-mean"``: ``mask / ((len_s + 1e-8) * S)`` (verl's 1e-8);
-            * ``"seq-mean-token-sum-norm"``: ``mask / horizon`` (Dr. GRPO: a constant; default ``T`` for
-              ``[B, T]`` rows, required for packed tokens);
+            * ``"seq-mean-token-sum-norm"``: ``mask / (S * horizon)`` (verl: the sequence mean of token sums
+              divided by ``loss_scale_factor``; default ``T`` for ``[B, T]`` rows, required for packed
+              tokens);
             * ``"prompt-mean-token-mean"``: each prompt group (sequences sharing a `prompt_ids` entry) has
               weight ``1 / G`` (G = groups with a valid token), spread evenly over its valid tokens.
         cu_seqlens: int ``[S + 1]`` sequence boundaries of packed ``[N]`` tokens (ending at N); needed by
-            the seq-mean and prompt modes on 1-D input.
+            the seq-mean and prompt modes on 1-D input, and checked whenever given.
         group: the data-parallel group the global batch is spread over (None: one process).
-        horizon: the constant of ``"seq-mean-token-sum-norm"``.
+        horizon: the constant of ``"seq-mean-token-sum-norm"`` (verl's ``loss_scale_factor``), finite > 0.
+            Under `group` the resolved horizon must be equal on every rank (pass it when the ranks' rows
+            are padded to different lengths).
         prompt_ids: int ``[S]``, each sequence's prompt group, global ids in ``[0, P)`` (the same id on
             every DP rank for the same prompt); for ``"prompt-mean-token-mean"`` only.
         dtype: of the weights (float64 for float64 losses).
@@ -138,67 +292,124 @@ def token_weights(
     Returns:
         ``w``, 0 where `mask` is False; all 0 when the global batch has no valid token.
     """
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    check_group("group", group)
+    distributed = group_size(group) > 1
+    error: BaseException | None = None
+    local: dict[str, int | float] = {}
+    try:
+        plan = _local_counts(
+            mask, loss_agg_mode, cu_seqlens, horizon, prompt_ids, dtype, need_ints=distributed
+        )
+        local = plan["agree"]
+    except (TypeError, ValueError) as e:
+        if not distributed:
+            raise
+        error, plan = e, None
+    if distributed:
+        ranks = agree_over_group(
+            group, "lmloss.rl.token_weights", TOKEN_WEIGHT_FIELDS, local, per_rank=("tokens", "seqs", "prompts"),
+            floats=("horizon",), error=error, like=mask,
+        )  # fmt: skip
+        n_tokens = float(sum(r["tokens"] for r in ranks))
+        n_seqs = float(sum(r["seqs"] for r in ranks))
+        n_prompts = max(r["prompts"] for r in ranks)
+    else:
+        n_tokens, n_seqs, n_prompts = plan["tokens"], plan["seqs"], plan["agree"]["prompts"]
+    assert plan is not None
+    mode, valid, shape = loss_agg_mode, plan["valid"], plan["shape"]
+
+    def at_least_one(count):  # a count as a tensor >= 1 (0 valid tokens: the weights are 0 anyway)
+        return torch.as_tensor(count, dtype=torch.float64, device=valid.device).clamp(min=1.0)
+
+    if mode == "token-sum":
+        return valid.view(shape).to(dtype)
+    if mode == "token-mean":
+        return (valid / at_least_one(n_tokens)).view(shape).to(dtype)
+    seq, lengths = plan["seq"], plan["lengths"]
+    if mode == "prompt-mean-token-mean":
+        return (
+            _prompt_weights(valid, seq, lengths, plan["prompt_ids"], int(n_prompts), group)
+            .view(shape)
+            .to(dtype)
+        )
+    per_seq = 1.0 / at_least_one(n_seqs)
+    if mode == "seq-mean-token-mean":
+        return (valid * (per_seq / (lengths + SEQ_LEN_EPS))[seq]).view(shape).to(dtype)
+    if mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / plan["horizon"]
+    return (valid * per_seq).view(shape).to(dtype)
+
+
+def _local_counts(mask, mode, cu_seqlens, horizon, prompt_ids, dtype, *, need_ints: bool) -> dict:
+    """Check `token_weights`' arguments on this rank and count its valid tokens / sequences / prompts.
+
+    Returns the flat float64 validity, sequence index and lengths, the resolved horizon and the fields of
+    the agreement vector. Counts are python numbers under a group (they travel in the gather) and 0-d
+    tensors otherwise (no host sync on one process).
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype must be a floating dtype {tuple(_DTYPES)}, got {dtype!r}")
     mask = check_mask(mask)
-    valid = mask.to(torch.float64)
-    if loss_agg_mode == "token-sum":
-        return valid.to(dtype)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
+    shape = mask.shape
+    valid = mask.reshape(-1).to(torch.float64)
+    if (
+        cu_seqlens is not None
+    ):  # checked whether or not the mode reads it: wrong boundaries are a bug upstream
+        if mask.dim() != 1:
+            raise ValueError(f"cu_seqlens is for packed 1-D tokens; the mask has shape {tuple(shape)}")
+        check_packed_cu_seqlens(cu_seqlens, shape[0])
+    if prompt_ids is not None and mode != "prompt-mean-token-mean":
+        raise ValueError(f"prompt_ids is for loss_agg_mode='prompt-mean-token-mean', not {mode!r}")
+    resolved = 0.0
+    if mode == "seq-mean-token-sum-norm":
         if horizon is None:
             if mask.dim() == 1:
                 raise ValueError(
                     "loss_agg_mode='seq-mean-token-sum-norm' on packed 1-D tokens needs horizon (the constant "
-                    "verl takes as the response length)"
+                    "verl takes as the response length, loss_scale_factor)"
                 )
-            horizon = mask.shape[-1]
-        if isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or horizon <= 0:
-            raise ValueError(f"horizon must be a positive number, got {horizon!r}")
-        return (valid / float(horizon)).to(dtype)
-    if loss_agg_mode == "token-mean":
-        count = valid.sum().reshape(1)
-        all_reduce_sum_(count, group)
-        return torch.where(count > 0, valid / count.clamp(min=1.0), 0.0).to(dtype)
-
-    seq, n_seq = sequence_index(
-        mask.shape, mask.device, cu_seqlens=cu_seqlens, need=f"loss_agg_mode={loss_agg_mode!r}"
-    )
-    flat = valid.reshape(-1)
-    lengths = torch.zeros(n_seq, dtype=torch.float64, device=mask.device).index_add_(0, seq, flat)
-    if loss_agg_mode == "prompt-mean-token-mean":
-        return _prompt_weights(flat, seq, lengths, prompt_ids, group).view(mask.shape).to(dtype)
-    if prompt_ids is not None:
-        raise ValueError(f"prompt_ids is for loss_agg_mode='prompt-mean-token-mean', not {loss_agg_mode!r}")
-    n_valid_seqs = (lengths > 0).sum(dtype=torch.float64).reshape(1)
-    all_reduce_sum_(n_valid_seqs, group)
-    per_seq = 1.0 / n_valid_seqs.clamp(min=1.0)
-    if loss_agg_mode == "seq-mean-token-mean":
-        per_seq = per_seq / (lengths + SEQ_LEN_EPS)
-        return (flat * per_seq[seq]).view(mask.shape).to(dtype)
-    return (flat * per_seq).view(mask.shape).to(dtype)
+            horizon = shape[-1]
+        resolved = check_horizon(horizon)
+    out = dict(valid=valid, shape=shape, horizon=resolved, seq=None, lengths=None, prompt_ids=None)
+    tokens = valid.sum()
+    seqs = torch.zeros((), dtype=torch.float64, device=mask.device)
+    n_prompts = 0
+    if mode not in ("token-mean", "token-sum"):
+        seq, n_seq = sequence_index(shape, mask.device, cu_seqlens=cu_seqlens, need=f"loss_agg_mode={mode!r}")
+        lengths = torch.zeros(n_seq, dtype=torch.float64, device=mask.device).index_add_(0, seq, valid)
+        seqs = (lengths > 0).sum(dtype=torch.float64)
+        out.update(seq=seq, lengths=lengths)
+        if mode == "prompt-mean-token-mean":
+            if prompt_ids is None:
+                raise ValueError(
+                    "loss_agg_mode='prompt-mean-token-mean' needs prompt_ids (one group id per sequence)"
+                )
+            ids = check_ids("prompt_ids", prompt_ids, (n_seq,)).to(mask.device)
+            if ids.numel() and int(ids.min()) < 0:
+                raise ValueError("prompt_ids must be >= 0")
+            n_prompts = int(ids.max()) + 1 if ids.numel() else 0
+            out["prompt_ids"] = ids
+    if need_ints:
+        tokens, seqs = int(tokens.item()), int(seqs.item())
+    out.update(tokens=tokens, seqs=seqs)
+    out["agree"] = dict(
+        mode=LOSS_AGG_MODES.index(mode), horizon=resolved, dtype=_DTYPES[dtype],
+        prompt_ids=int(prompt_ids is not None), tokens=tokens if need_ints else 0, seqs=seqs if need_ints else 0,
+        prompts=n_prompts,
+    )  # fmt: skip
+    return out
 
 
 def _prompt_weights(
-    flat: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor, prompt_ids: torch.Tensor | None, group
+    flat: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, n_prompts: int, group
 ) -> torch.Tensor:
-    """``"prompt-mean-token-mean"``: per-token ``1 / (tokens of its prompt group * groups)``, global counts."""
-    if prompt_ids is None:
-        raise ValueError(
-            "loss_agg_mode='prompt-mean-token-mean' needs prompt_ids (one group id per sequence)"
-        )
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.shape != lengths.shape:
-        got = tuple(prompt_ids.shape) if isinstance(prompt_ids, torch.Tensor) else type(prompt_ids).__name__
-        raise ValueError(
-            f"prompt_ids must be an int tensor [{lengths.numel()}] (one per sequence), got {got}"
-        )
-    ids = prompt_ids.to(lengths.device).long()
-    if ids.numel() and int(ids.min()) < 0:
-        raise ValueError("prompt_ids must be >= 0")
-    # every rank needs the same dense length: agree on the largest id first (a MAX of one number)
-    size = torch.tensor([int(ids.max()) + 1 if ids.numel() else 0], dtype=torch.int64, device=lengths.device)
-    if group is not None:
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-    per_prompt = torch.zeros(int(size.item()), dtype=torch.float64, device=lengths.device).index_add_(
+    """``"prompt-mean-token-mean"``: per-token ``1 / (tokens of its prompt group * groups)``, global counts.
+
+    `n_prompts` is agreed (the largest id + 1 over the group), so every rank all-reduces the same length.
+    """
+    per_prompt = torch.zeros(n_prompts, dtype=torch.float64, device=lengths.device).index_add_(
         0, ids, lengths
     )
     all_reduce_sum_(per_prompt, group)

@@ -29,7 +29,14 @@ from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
 from lmloss.metrics import StatsTracker
 from lmloss.objectives import SoftmaxObjective
-from lmloss.rl.objectives import Objective, PerToken, policy_loss, record_metrics, token_weights_of
+from lmloss.rl.objectives import (
+    Objective,
+    PerToken,
+    check_weights_or_mode,
+    policy_loss,
+    record_metrics,
+    token_weights_of,
+)
 from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup
 
@@ -53,6 +60,7 @@ class PolicyUpstream:
             lp, x.old_logprobs[s:e], x.advantages[s:e], mask,
             ref_logprobs=None if x.ref_logprobs is None else x.ref_logprobs[s:e], entropy=ent,
             rollout_is_weights=None if x.rollout_is_weights is None else x.rollout_is_weights[s:e],
+            pg_mask=None if x.pg_mask is None else x.pg_mask[s:e],
         )  # fmt: skip
         return torch.where(mask, x.token_weights[s:e] * per_tok, 0.0)
 
@@ -120,6 +128,22 @@ def linear_policy_loss(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     support: torch.Tensor | None = None,
+    pg_mask: torch.Tensor | None = None,
+    cov_selection: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
+    dro_beta: float | None = None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    kl_importance_weighted: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`lmloss.rl.policy_loss` of the log-probs of ``hidden @ weight.T + bias``, without the logits.
 
@@ -133,6 +157,9 @@ def linear_policy_loss(
         ``entropy_coeff != 0``.
         The LM-head options (`temperature`, `softcap`, `tp_group`, `vocab_start`, `vocab_size`,
         `sequence_parallel`, `chunk_size`, `weight_grad_dtype`, `impl`): as in `lmloss.linear_cross_entropy`.
+        pg_mask, cov_selection, generator and the objectives' own options (`tau_pos`, `tau_neg`,
+            `clip_cov_*`, `kl_cov_ratio`, `ppo_kl_coef`, `dro_beta`, `vespo_*`, `kl_importance_weighted`): as
+            in `policy_loss`.
         top_k, top_p, min_p, support: the sampler's distribution (as in `lmloss.linear_token_logprobs`):
             the objective runs on the kept set's renormalised log-probs and entropies, its gradient stays
             on the kept set; tokens whose label lies outside it are left out of the objective (warned).
@@ -140,23 +167,34 @@ def linear_policy_loss(
         the op's one rank-agreement gather (a rank that differs raises on every rank).
 
     Returns:
-        ``(loss, metrics)`` as `policy_loss`'s, the same on every TP rank. For every loss mode but
-        ``"gspo"`` the gradients are computed in the forward (3 matmuls; the backward only scales them,
-        so it runs once per forward).
+        ``(loss, metrics)`` as `policy_loss`'s, the same on every TP rank. For the token-separable loss modes
+        the gradients are computed in the forward (3 matmuls; the backward only scales them); the sequence
+        objectives (gspo, geo_mean, vespo) and the covariance selections (clip_cov, kl_cov) need every
+        token's log-prob first: `linear_token_logprobs`' two passes, then `policy_loss`.
     """
     with_entropy = entropy_coeff != 0.0
     state: dict = {}
+    extra = dict(
+        tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
+    )  # fmt: skip
 
     def checks(expected):
         objective = Objective.make(
             loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
             clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type,
-            kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
+            kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff, **extra,
         )  # fmt: skip
         if kl_loss_coef != 0.0 and ref_logprobs is None:
             raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
+        check_weights_or_mode(token_weights, loss_agg_mode)
         mask = labels.reshape(expected) != ignore_index
-        x = PerToken(expected, mask, old_logprobs, advantages, ref_logprobs, None, rollout_is_weights, token_weights)
+        x = PerToken(
+            expected, mask, old_logprobs, advantages, ref_logprobs, None, rollout_is_weights, token_weights,
+            pg_mask=pg_mask, cov_selection=cov_selection,
+        )  # fmt: skip
         if x.token_weights is None:
             x.token_weights = token_weights_of(x.mask.view(expected), loss_agg_mode, cu_seqlens, horizon,
                                                x.advantages.dtype).reshape(-1)  # fmt: skip
@@ -167,10 +205,12 @@ def linear_policy_loss(
                 loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
                 kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff, horizon=horizon,
+                **extra,
             ),
             "tensors": dict(
                 advantages=x.advantages, old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
-                rollout_is_weights=x.rollout_is_weights, token_weights=x.token_weights,
+                rollout_is_weights=x.rollout_is_weights, token_weights=x.token_weights, pg_mask=x.pg_mask,
+                cov_selection=x.cov_selection,
             ),
         }  # fmt: skip
         if support is not None:
@@ -194,7 +234,7 @@ def linear_policy_loss(
             return Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels, **kw))
         return replay.op_over_slots(p.plan, p.head, (p.flat, weight, bias), p.labels, state["support"], False, **kw)
 
-    if not objective.token_separable:  # gspo: the ratio needs whole sequences first; two passes
+    if not objective.token_separable:  # sequences, selections: every token's log-prob first; two passes
         outs = PerTokenLoss.apply(op_with(), p.flat, weight, bias)
         lp = outs[0].view(p.shape)
         ent = outs[1].view(p.shape) if with_entropy else None
@@ -208,6 +248,7 @@ def linear_policy_loss(
             token_weights=token_weights, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
             horizon=horizon, ref_logprobs=ref_logprobs, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
             entropy=ent, entropy_coeff=entropy_coeff, rollout_is_weights=rollout_is_weights, tracker=tracker,
+            pg_mask=pg_mask, cov_selection=cov_selection, generator=generator, **extra,
         )  # fmt: skip
     upstream = PolicyUpstream(objective, x)
     outs = SummedLoss.apply(op_with(upstream=upstream), torch.is_grad_enabled(), None, p.flat, weight, bias)
@@ -221,6 +262,6 @@ def linear_policy_loss(
     metrics_entropy = None if ent is None else torch.where(metrics_mask, ent, 0.0)
     _, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, metrics_mask, ref_logprobs=x.ref_logprobs, entropy=metrics_entropy,
-        rollout_is_weights=x.rollout_is_weights,
+        rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask,
     )  # fmt: skip
     return loss, record_metrics(parts, metrics_mask, x.token_weights, metrics_entropy, tracker)

@@ -1,10 +1,18 @@
-"""RL policy objectives on per-token tensors, with verl's names and semantics.
+"""RL policy objectives on per-token tensors, with verl's names and semantics (and TRL's where verl has none).
 
 `policy_loss` is the actor's whole loss, ``sum_t w_t * (pg_t + kl_loss_coef * kl_t - entropy_coeff * H_t)``
 with the weights ``w`` of `lmloss.rl.token_weights` (equal to verl's ``pg - entropy_coeff * agg(entropy) +
 kl_loss_coef * agg(kl)``, since every ``agg_loss`` mode is linear in its per-token values). The per-token
 math lives in `Objective.per_token`, the one implementation that both `policy_loss` and the fused
 `lmloss.rl.linear_policy_loss` run (the latter differentiates it per chunk in the forward).
+
+Every policy loss verl 0.9.1 registers (``POLICY_LOSS_REGISTRY``: ``vanilla``, ``dppo_tv``, ``dppo_kl``,
+``gspo``, ``sapo``, ``gpg``, ``clip_cov``, ``kl_cov``, ``geo_mean``, ``dro``, ``cispo``; ``bypass_mode`` is a
+composition, docs/rl.md), verl's ``reinforce`` and TRL 1.16's ``vespo`` are a `loss_mode`. Objectives of a
+whole sequence (``gspo``, ``geo_mean``, ``vespo``) sum per-sequence columns first (`Objective.
+sequence_columns`; all-reduced over `cp_group` when a sequence is split over CP ranks); ``clip_cov`` /
+``kl_cov`` read a token selection made from batch statistics (`covariance_selection`, computed once per
+step over the DP group, or over the call's tokens when not given).
 
 Masked positions are replaced by 0 *before* any arithmetic (``torch.where``), so NaN / inf there never
 reach the loss or the gradient: a masked token gets exactly 0 gradient.
@@ -18,21 +26,59 @@ import math
 import torch
 import torch.distributed as dist
 
+from lmloss._validate import check_group
 from lmloss.metrics import StatsTracker
-from lmloss.rl.aggregation import check_mask, sequence_index, token_weights
+from lmloss.rl.aggregation import (
+    agree_over_group,
+    check_mask,
+    check_packed_cu_seqlens,
+    group_size,
+    sequence_index,
+    token_weights,
+)
 from lmloss.vocab_parallel import ProcessGroup
 
-LOSS_MODES = ("vanilla", "gspo", "cispo", "reinforce")
-#: the KL estimators (``"kl"`` = ``"k1"``, ``"mse"`` = ``"k2"``, ``"low_var_kl"`` = ``"k3"``, verl's aliases)
+#: verl 0.9.1's registered policy losses (but ``bypass_mode``, a composition), verl's ``reinforce`` and
+#: TRL's ``vespo``.
+LOSS_MODES = (
+    "vanilla", "gspo", "cispo", "reinforce", "gpg", "dppo_tv", "dppo_kl", "sapo", "clip_cov", "kl_cov",
+    "geo_mean", "dro", "vespo",
+)  # fmt: skip
+#: Objectives of a whole sequence: the per-sequence sums come before the per-token loss.
+SEQUENCE_MODES = ("gspo", "geo_mean", "vespo")
+#: Objectives that read a token selection from batch statistics (`covariance_selection`).
+SELECTION_MODES = ("clip_cov", "kl_cov")
+#: The KL estimators (``"kl"`` = ``"k1"``, ``"mse"`` = ``"k2"``, ``"low_var_kl"`` = ``"k3"``, verl's aliases)
 #: and their straight-through ``"+"`` variants (value of the estimator, gradient of k2).
 KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_LOSS_TYPES = KL_TYPES + tuple(f"{k}+" for k in KL_TYPES)
-#: verl's clamps: the log-ratio before exp (PPO, CISPO, k3), k3's value, GSPO's sequence log-ratio.
+#: verl's clamps: the log-ratio before exp (PPO, CISPO, SAPO, DPPO, k3), k3's value, GSPO's sequence log-ratio.
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 GSPO_LOG_RATIO_MAX = 10.0
+#: TRL's VESPO bounds the sequence log-weight below by log(1e-8) (and above by 20).
+VESPO_LOG_W_MIN = math.log(1e-8)
+#: The options of the objectives beyond PPO's clips, verl's (``actor.*``, ``actor.policy_loss.*``) and TRL's
+#: (``GRPOConfig.vespo_*``) names and defaults.
+OPTION_DEFAULTS = dict(
+    tau_pos=1.0, tau_neg=1.05, clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
+    ppo_kl_coef=0.1, dro_beta=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+    kl_importance_weighted=False,
+)  # fmt: skip
+#: The per-token inputs that are constants of the objective: a differentiable one is refused (its
+#: gradient would be silently wrong: ``policy_loss(lp, lp, ...)`` gives exactly zero gradients).
+CONSTANT_INPUTS = ("old_logprobs", "advantages", "ref_logprobs", "rollout_is_weights", "token_weights")
 
-__all__ = ["KL_LOSS_TYPES", "LOSS_MODES", "Objective", "kl_estimate", "policy_loss"]
+__all__ = [
+    "KL_LOSS_TYPES",
+    "LOSS_MODES",
+    "Objective",
+    "covariance_selection",
+    "high_entropy_mask",
+    "kl_estimate",
+    "off_policy_sequence_mask",
+    "policy_loss",
+]
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_loss_type: str) -> torch.Tensor:
@@ -61,9 +107,18 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_loss_type
     return value
 
 
+def _is_number(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _check_clip(name: str, v: object, *, above: float = 0.0) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= above:
+    if not _is_number(v) or v <= above:
         raise ValueError(f"{name} must be a finite number > {above}, got {v!r}")
+
+
+def _check_fraction(name: str, v: object) -> None:
+    if not _is_number(v) or not 0 < v <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,35 +132,122 @@ class Objective:
     kl_loss_type: str = "low_var_kl"
     kl_loss_coef: float = 0.0
     entropy_coeff: float = 0.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    kl_importance_weighted: bool = False
 
     @classmethod
     def make(
         cls, *, loss_mode, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_loss_type, kl_loss_coef,
-        entropy_coeff,
+        entropy_coeff, **options,
     ) -> Objective:  # fmt: skip
+        """Check the options; `options` are those of `OPTION_DEFAULTS` (missing ones take the default)."""
         if loss_mode not in LOSS_MODES:
             raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {loss_mode!r}")
+        unknown = set(options) - set(OPTION_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown objective options {sorted(unknown)}; known: {sorted(OPTION_DEFAULTS)}")
+        opts = {**OPTION_DEFAULTS, **options}
         _check_clip("clip_ratio", clip_ratio)
         low = clip_ratio if clip_ratio_low is None else clip_ratio_low
         high = clip_ratio if clip_ratio_high is None else clip_ratio_high
         _check_clip("clip_ratio_low", low)
         _check_clip("clip_ratio_high", high)
         if clip_ratio_c is not None:
-            _check_clip("clip_ratio_c", clip_ratio_c, above=1.0)
-            if loss_mode != "vanilla":
-                raise ValueError(f"clip_ratio_c (dual clip) is for loss_mode='vanilla', not {loss_mode!r}")
+            if loss_mode == "vanilla":
+                _check_clip("clip_ratio_c", clip_ratio_c, above=1.0)
+            elif loss_mode in ("dppo_tv", "dppo_kl"):
+                _check_clip("clip_ratio_c", clip_ratio_c)
+            else:
+                raise ValueError(
+                    f"clip_ratio_c is the dual clip of loss_mode='vanilla' and the ratio cap of 'dppo_tv' / "
+                    f"'dppo_kl', not an option of {loss_mode!r}"
+                )
         if kl_loss_type not in KL_LOSS_TYPES:
             raise ValueError(f"kl_loss_type must be one of {KL_LOSS_TYPES}, got {kl_loss_type!r}")
         for name, v in (("kl_loss_coef", kl_loss_coef), ("entropy_coeff", entropy_coeff)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not _is_number(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
+        for name in ("tau_pos", "tau_neg"):
+            _check_clip(name, opts[name])
+        _check_fraction("clip_cov_ratio", opts["clip_cov_ratio"])
+        _check_fraction("kl_cov_ratio", opts["kl_cov_ratio"])
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                     "vespo_lambda_neg"):  # fmt: skip
+            if not _is_number(opts[name]):
+                raise ValueError(f"{name} must be a finite number, got {opts[name]!r}")
+        if not opts["clip_cov_lb"] < opts["clip_cov_ub"]:
+            raise ValueError(
+                f"clip_cov_lb ({opts['clip_cov_lb']}) must be below clip_cov_ub ({opts['clip_cov_ub']})"
+            )
+        if opts["dro_beta"] is not None:
+            _check_clip("dro_beta", opts["dro_beta"])
+        elif loss_mode == "dro":
+            raise ValueError(
+                "loss_mode='dro' needs dro_beta > 0 (verl's policy_loss.dro_beta has no default)"
+            )
+        if not isinstance(opts["kl_importance_weighted"], bool):
+            raise TypeError(f"kl_importance_weighted must be a bool, got {opts['kl_importance_weighted']!r}")
+        if opts["kl_importance_weighted"] and loss_mode in SEQUENCE_MODES:
+            raise ValueError(
+                f"kl_importance_weighted multiplies the KL by the token ratio; it is not defined for the sequence "
+                f"objective {loss_mode!r}"
+            )
+        floats = {k: v if v is None or isinstance(v, bool) else float(v) for k, v in opts.items()}
         return cls(loss_mode, float(low), float(high), None if clip_ratio_c is None else float(clip_ratio_c),
-                   kl_loss_type, float(kl_loss_coef), float(entropy_coeff))  # fmt: skip
+                   kl_loss_type, float(kl_loss_coef), float(entropy_coeff), **floats)  # fmt: skip
 
     @property
     def token_separable(self) -> bool:
-        """Whether each token's loss depends on that token's log-prob and entropy alone (not gspo)."""
-        return self.loss_mode != "gspo"
+        """Whether each token's loss depends on that token's log-prob and entropy alone (and so can be
+        differentiated chunk by chunk): not the sequence objectives nor the batch-statistic selections."""
+        return self.loss_mode not in SEQUENCE_MODES + SELECTION_MODES
+
+    def sequence_columns(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        rollout_is_weights: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """``[N, k]`` per-token values whose per-sequence sums `per_token` reads (``seq_sums``); None for
+        token objectives. Zero where not `mask`; differentiable where the objective differentiates through
+        the sequence (``geo_mean``)."""
+        m = mask.to(logprobs.dtype)
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        log_ratio = logprobs - old_logprobs
+        if self.loss_mode == "gspo":  # mean log-ratio: sg[s] in the ratio
+            cols = [torch.where(mask, log_ratio, zero).detach(), m]
+        elif self.loss_mode == "geo_mean":  # the clipped log-ratio's mean is differentiated
+            cols = [torch.where(mask, self._geo_log_ratio(log_ratio, advantages), zero), advantages, m]
+            if rollout_is_weights is not None:  # a sequence's IS weight: the tokens' geometric mean
+                cols.append(torch.where(mask, torch.log(rollout_is_weights + 1e-10), zero))
+        elif self.loss_mode == "vespo":  # log w = sum log-ratio + sum log IS ratio (TRL's clamps)
+            lr = torch.where(mask, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), zero).detach()
+            log_is = torch.zeros_like(lr)
+            if rollout_is_weights is not None:
+                log_is = torch.where(mask, torch.log(rollout_is_weights).clamp(VESPO_LOG_W_MIN, 20.0), zero)
+            cols = [lr, log_is]
+        else:
+            return None
+        return torch.stack([torch.where(mask, c, zero) for c in cols], dim=1)
+
+    def _geo_log_ratio(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """GMPO's token log-ratio clipped to ``[-low, high]`` on the side the advantage's sign points to."""
+        sign = torch.sign(advantages)
+        clipped = log_ratio.clamp(-self.clip_ratio_low, self.clip_ratio_high)
+        return sign * torch.minimum(sign * log_ratio, sign * clipped)
 
     def per_token(
         self,
@@ -117,50 +259,116 @@ class Objective:
         ref_logprobs: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         rollout_is_weights: torch.Tensor | None = None,
-        seq_log_ratio: torch.Tensor | None = None,
+        pg_mask: torch.Tensor | None = None,
+        seq_sums: torch.Tensor | None = None,
+        selected: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``pg + kl_loss_coef * kl - entropy_coeff * H`` (0 where not `mask`) and its parts.
 
-        All tensors share one shape; inputs are already 0 where `mask` is False. `seq_log_ratio` (gspo):
-        each token's sequence's mean log-ratio (detached). Returns ``(loss, parts)`` with parts ``pg``,
-        ``kl`` (if used), ``ratio``, ``clipped``, ``clipped_lower`` (bool), ``log_ratio`` (``lp - old``).
+        All tensors share one shape; inputs are already 0 where `mask` is False. `seq_sums`: each token's
+        sequence's sums of `sequence_columns` (sequence objectives). `selected`: the `covariance_selection`
+        (``clip_cov``, ``kl_cov``). `pg_mask`: tokens whose policy term counts (bool). Returns ``(loss,
+        parts)`` with parts ``pg``, ``kl`` (if used), ``ratio``, ``clipped``, ``clipped_lower`` (bool),
+        ``log_ratio`` (``lp - old``).
         """
+        mode, a = self.loss_mode, advantages
         log_ratio = logprobs - old_logprobs
-        a = advantages
-        parts: dict[str, torch.Tensor] = {"log_ratio": log_ratio.detach()}
-        if self.loss_mode == "reinforce":
+        no = torch.zeros_like(mask)
+        clipped, clipped_lower = no, no
+        ratio = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # the ratio metric
+
+        def ppo_clip(r):
+            l1, l2 = -a * r, -a * r.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+            return torch.maximum(l1, l2), l2 > l1
+
+        def const(v):
+            return torch.as_tensor(v, dtype=a.dtype, device=a.device)
+
+        if mode in ("reinforce", "gpg"):
             pg = -a * logprobs
-            ratio = log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-            clipped = torch.zeros_like(mask)
-            clipped_lower = clipped
-        elif self.loss_mode == "gspo":
-            assert seq_log_ratio is not None
-            log_r = (logprobs - logprobs.detach() + seq_log_ratio).clamp(max=GSPO_LOG_RATIO_MAX)
-            ratio = log_r.exp()
-            l1 = -a * ratio
-            l2 = -a * ratio.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
-            pg = torch.maximum(l1, l2)
-            clipped, clipped_lower = l2 > l1, torch.zeros_like(mask)
+        elif mode == "gspo":
+            assert seq_sums is not None
+            seq_mean = (seq_sums[:, 0] / seq_sums[:, 1].clamp(min=1.0)).detach()
+            log_s = (logprobs - logprobs.detach() + seq_mean).clamp(max=GSPO_LOG_RATIO_MAX)
+            pg, clipped = ppo_clip(log_s.exp())
+            ratio = log_s.detach().exp()
+        elif mode == "geo_mean":
+            assert seq_sums is not None
+            n = seq_sums[:, 2] + 1e-8
+            pg = -(seq_sums[:, 1] / n) * torch.exp(seq_sums[:, 0] / n)
+            if rollout_is_weights is not None:
+                pg = pg * torch.exp(seq_sums[:, 3] / n)
+            clipped = log_ratio != log_ratio.clamp(-self.clip_ratio_low, self.clip_ratio_high)
+            clipped_lower = clipped & (a < 0)
+            clipped = clipped & (a > 0)
+        elif mode == "vespo":
+            assert seq_sums is not None
+            log_w = (seq_sums[:, 0] + seq_sums[:, 1]).clamp(VESPO_LOG_W_MIN, 20.0)
+            nonneg = a >= 0
+            k = torch.where(nonneg, const(self.vespo_k_pos), const(self.vespo_k_neg))
+            lam = torch.where(nonneg, const(self.vespo_lambda_pos), const(self.vespo_lambda_neg)).clamp(
+                min=1e-4
+            )
+            phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            pg = -phi.detach() * a * logprobs
+        elif mode in ("dppo_tv", "dppo_kl"):
+            r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            capped = (r if self.clip_ratio_c is None else r.clamp(max=self.clip_ratio_c)).detach()
+            p, p_old = logprobs.exp(), old_logprobs.exp()
+            if mode == "dppo_tv":
+                valid = torch.where(
+                    a > 0, p - p_old <= self.clip_ratio_high, p - p_old >= -self.clip_ratio_low
+                )
+            else:  # binary KL between Bernoulli(p_old) and Bernoulli(p)
+                bkl = p_old * (old_logprobs - logprobs) + (1 - p_old) * torch.log(
+                    (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+                )
+                valid = torch.where(a > 0, (bkl <= self.clip_ratio_high) | (p <= p_old),
+                                    (bkl <= self.clip_ratio_low) | (p >= p_old))  # fmt: skip
+            valid = valid.detach()
+            pg = torch.where(valid, -a * capped * logprobs, 0.0)
+            clipped = ~valid
+            if self.clip_ratio_c is not None:
+                clipped_lower = (r > self.clip_ratio_c) & valid
+        elif mode == "sapo":
+            r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            tau = torch.where(a > 0, const(self.tau_pos), const(self.tau_neg))
+            pg = -(torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau)) * a
+        elif mode == "clip_cov":
+            assert selected is not None
+            pg, clipped = ppo_clip(log_ratio.exp())  # verl: no clamp of the log-ratio here
+            pg = torch.where(selected, 0.0, pg)
+            clipped = selected
+        elif mode == "kl_cov":
+            assert selected is not None
+            pg = -a * log_ratio.exp()
+            pg = torch.where(selected, pg + self.ppo_kl_coef * log_ratio.abs(), pg)
+            clipped = selected
+        elif mode == "dro":
+            pg = -(logprobs * a - 0.5 * self.dro_beta * log_ratio.square())
         else:
-            ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-            clipped_ratio = ratio.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
-            if self.loss_mode == "cispo":  # the clipped ratio is a stop-gradient weight on log pi
+            r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+            clipped_ratio = r.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
+            if mode == "cispo":  # the clipped ratio is a stop-gradient weight on log pi
                 pg = -clipped_ratio.detach() * a * logprobs
-                clipped, clipped_lower = ratio != clipped_ratio, torch.zeros_like(mask)
+                clipped = r != clipped_ratio
             else:
-                l1, l2 = -a * ratio, -a * clipped_ratio
-                pg = torch.maximum(l1, l2)
-                clipped, clipped_lower = l2 > l1, torch.zeros_like(mask)
+                pg, clipped = ppo_clip(r)
                 if self.clip_ratio_c is not None:  # dual clip: negative advantages bounded by c * |A|
                     l3 = -a * self.clip_ratio_c
                     clipped_lower = (pg > l3) & (a < 0)
                     pg = torch.where(a < 0, torch.minimum(l3, pg), pg)
-        if rollout_is_weights is not None:
+        if rollout_is_weights is not None and mode not in ("geo_mean", "vespo"):  # those fold them in above
             pg = pg * rollout_is_weights
+        if pg_mask is not None:
+            pg = torch.where(pg_mask, pg, 0.0)
         loss = pg
-        parts.update(pg=pg.detach(), ratio=ratio.detach(), clipped=clipped, clipped_lower=clipped_lower)
+        parts = dict(log_ratio=log_ratio.detach(), pg=pg.detach(), ratio=ratio, clipped=clipped,
+                     clipped_lower=clipped_lower)  # fmt: skip
         if ref_logprobs is not None:
             kl = kl_estimate(logprobs, ref_logprobs, self.kl_loss_type)
+            if self.kl_importance_weighted:  # TRL's use_bias_correction_kl: E_old[r kl], r differentiable
+                kl = kl * log_ratio.exp()
             parts["kl"] = kl.detach()
             loss = loss + self.kl_loss_coef * kl
         if entropy is not None and self.entropy_coeff != 0.0:
@@ -183,12 +391,31 @@ def check_per_token(name: str, t: object, shape: torch.Size) -> torch.Tensor:
     return t
 
 
+def check_constant(name: str, t: torch.Tensor) -> None:
+    """A per-token input that the objective treats as a constant must not carry a gradient."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad; it is a constant of the objective (its gradient would be silently dropped "
+            f"or wrong, e.g. policy_loss(lp, lp, ...) has exactly zero gradient): pass {name}.detach()"
+        )
+
+
+def check_weights_or_mode(token_weights: object, loss_agg_mode: str) -> None:
+    """`token_weights` are the aggregation: a non-default `loss_agg_mode` beside them would be ignored."""
+    if token_weights is not None and loss_agg_mode != "token-mean":
+        raise ValueError(
+            f"token_weights and loss_agg_mode={loss_agg_mode!r} were both given: the weights already are the "
+            f"aggregation (make them with lmloss.rl.token_weights(mask, {loss_agg_mode!r}, ...)); pass one"
+        )
+
+
 class PerToken:
     """The checked, masked per-token inputs of one call, flattened to ``[N]``."""
 
     def __init__(
-        self, shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, weights
-    ):
+        self, shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, weights, *,
+        pg_mask=None, cov_selection=None,
+    ):  # fmt: skip
         self.shape = shape
         self.mask = check_mask(mask, shape).reshape(-1)
         named = dict(old_logprobs=old_logprobs, advantages=advantages, ref_logprobs=ref_logprobs,
@@ -196,11 +423,17 @@ class PerToken:
         for k, v in named.items():
             if v is not None:
                 v = check_per_token(k, v, shape).reshape(-1)
-                if k == "rollout_is_weights":
-                    v = v.detach()  # IS weights change the measure, not the objective
+                if k in CONSTANT_INPUTS:
+                    check_constant(k, v)
                 setattr(self, k, _masked(self.mask, v))
             else:
                 setattr(self, k, None)
+        self.pg_mask = None if pg_mask is None else check_mask(pg_mask, shape, name="pg_mask").reshape(-1)
+        self.cov_selection = (
+            None
+            if cov_selection is None
+            else check_mask(cov_selection, shape, name="cov_selection").reshape(-1)
+        )
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -221,23 +454,258 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def _seq_log_ratio(
-    log_ratio: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group: ProcessGroup | None
+def _sequence_sums(
+    columns: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group: ProcessGroup | None
 ) -> torch.Tensor:
-    """gspo: each token's sequence mean of ``lp - old`` over valid tokens ``[N]``, detached.
-
-    Under CP each rank holds part of every sequence: the per-sequence (sum, count) are summed over
-    `cp_group` (a differentiable all-reduce, so the sum's gradient reaches every rank's tokens) before
-    dividing.
-    """
-    sums = torch.zeros((n_seq, 2), dtype=log_ratio.dtype, device=log_ratio.device)
-    sums = sums.index_add(
-        0, seq, torch.stack([torch.where(mask, log_ratio, 0.0), mask.to(log_ratio.dtype)], 1)
-    )
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+    """Each token's sequence's column sums ``[N, k]``. Under CP each rank holds part of every sequence:
+    the per-sequence sums are summed over `cp_group` (a differentiable all-reduce, so a sum's gradient
+    reaches every rank's tokens)."""
+    sums = torch.zeros((n_seq, columns.shape[1]), dtype=columns.dtype, device=columns.device)
+    sums = sums.index_add(0, seq, columns)
+    if group_size(cp_group) > 1:
         sums = _AllReduceSum.apply(sums, cp_group)
-    per_seq = sums[:, 0] / sums[:, 1].clamp(min=1.0)
-    return per_seq[seq].detach()
+    return sums[seq]
+
+
+# ----------------------------------------------------------------------------------- batch statistics
+
+#: The fields of `covariance_selection`'s agreement vector (``n``, ``sum_a``, ``sum_lp``: this rank's).
+COV_FIELDS = ("mode", "low", "high", "ratio", "lb", "ub", "n", "sum_a", "sum_lp")
+ENTROPY_FIELDS = ("quantile", "n")
+
+
+def covariance_selection(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_mode: str = "clip_cov",
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0002,
+    group: ProcessGroup | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The tokens ``clip_cov`` drops / ``kl_cov`` penalises (bool, `mask`'s shape), from the global batch.
+
+    With ``cov_i = (A_i - mean A) (lp_i - mean lp)`` over the valid tokens (Cui et al., "The Entropy
+    Mechanism of RL for Reasoning LMs", verl's ``compute_policy_loss_clip_cov`` / ``_kl_cov``):
+
+    * ``"clip_cov"``: ``max(1, int(clip_cov_ratio * n))`` tokens drawn at random (``torch.randperm`` on
+      `generator`, torch's global generator by default, as verl) among the valid tokens not already
+      clipped by PPO's clip (at `clip_ratio_low` / `clip_ratio_high`) with ``clip_cov_lb < cov <
+      clip_cov_ub``; `policy_loss` zeroes their policy term;
+    * ``"kl_cov"``: the ``max(1, int(kl_cov_ratio * n))`` valid tokens of largest ``cov``; `policy_loss`
+      adds ``ppo_kl_coef * |lp - old|`` to their policy term.
+
+    verl computes these statistics on each micro-batch's local tokens; here, with `group` (the DP group;
+    called on each rank's whole sequences, before the CP split and the micro-batch slicing, like
+    `lmloss.rl.token_weights`), the means, the count ``n``, the random draw (made on the group's first
+    rank and broadcast) and the top-k are the global batch's, so no split changes the selection. Every
+    rank of `group` must call it; options and local sums travel in one agreement gather. `logprobs`: the
+    current policy's log-probs for the whole batch (at a step's start, the rollout's ``old_logprobs``).
+    On one process (`group` None) this is verl's selection on the same tensors.
+    """
+    check_group("group", group)
+    distributed = group_size(group) > 1
+    error = None
+    values: dict = {}
+    try:
+        if loss_mode not in SELECTION_MODES:
+            raise ValueError(f"loss_mode must be one of {SELECTION_MODES}, got {loss_mode!r}")
+        check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
+        shape = logprobs.shape
+        for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
+            check_per_token(name, t, shape)
+        valid = check_mask(mask, shape).reshape(-1)
+        obj = Objective.make(
+            loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=None, kl_loss_type="k1", kl_loss_coef=0.0, entropy_coeff=0.0, clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio,
+        )  # fmt: skip
+        lp = torch.where(valid, logprobs.detach().reshape(-1), 0.0)
+        a = torch.where(valid, advantages.detach().reshape(-1), 0.0)
+        old = torch.where(valid, old_logprobs.detach().reshape(-1), 0.0)
+        if distributed:
+            values = dict(
+                mode=SELECTION_MODES.index(loss_mode), low=obj.clip_ratio_low, high=obj.clip_ratio_high,
+                ratio=obj.clip_cov_ratio if loss_mode == "clip_cov" else obj.kl_cov_ratio, lb=obj.clip_cov_lb,
+                ub=obj.clip_cov_ub, n=int(valid.sum()), sum_a=float(a.double().sum()), sum_lp=float(lp.double().sum()),
+            )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        if not distributed:
+            raise
+        error = e
+    if distributed:
+        ranks = agree_over_group(
+            group, "lmloss.rl.covariance_selection", COV_FIELDS, values, per_rank=("n", "sum_a", "sum_lp"),
+            floats=("low", "high", "ratio", "lb", "ub", "sum_a", "sum_lp"), error=error, like=logprobs,
+        )  # fmt: skip
+        counts = [r["n"] for r in ranks]
+        n = sum(counts)
+        offset = sum(counts[: dist.get_rank(group)])
+        mean_a = sum(r["sum_a"] for r in ranks) / max(n, 1)
+        mean_lp = sum(r["sum_lp"] for r in ranks) / max(n, 1)
+    else:
+        n, offset = valid.sum(), 0
+        if loss_mode == "kl_cov":  # verl: plain means of the valid entries
+            mean_a, mean_lp = (
+                advantages.detach().reshape(-1)[valid].mean(),
+                logprobs.detach().reshape(-1)[valid].mean(),
+            )
+        else:  # verl's masked_mean
+            mean_a, mean_lp = a.sum() / (n + 1e-8), lp.sum() / (n + 1e-8)
+        n = int(n)
+    selected = torch.zeros_like(valid)
+    if n == 0:
+        return selected.view(shape)
+    cov = (a - mean_a) * (lp - mean_lp)
+    if loss_mode == "kl_cov":
+        k = max(1, int(n * obj.kl_cov_ratio))
+        positions = valid.nonzero()[:, 0]
+        local = cov[valid]
+        top_v, top_i = torch.topk(local, min(k, local.numel()), largest=True)
+        if distributed:  # every rank's top k (padded), merged the same way on every rank
+            pad = torch.full((k - top_v.numel(),), math.inf, dtype=torch.float64, device=top_v.device)
+            # float64 carries the global indices exactly (below 2**53)
+            mine = torch.stack(
+                [torch.cat([top_v.double(), -pad]), torch.cat([(top_i + offset).double(), pad])]
+            )
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(everyone, mine, group=group)
+            allv, alli = torch.cat([t[0] for t in everyone]), torch.cat([t[1] for t in everyone])
+            order = torch.argsort(alli, stable=True)  # ties: the lower global index first
+            allv, alli = allv[order], alli[order]
+            best = alli[torch.argsort(allv, descending=True, stable=True)[:k]]
+            top_i = (best[(best >= offset) & (best < offset + local.numel())] - offset).long()
+        selected[positions[top_i]] = True
+        return selected.view(shape)
+    ratio = (lp - old).exp()  # verl's clip_cov: no clamp of the log-ratio
+    l1 = -a * ratio
+    l2 = -a * ratio.clamp(1.0 - obj.clip_ratio_low, 1.0 + obj.clip_ratio_high)
+    candidates = valid & ~(l2 > l1) & (cov < obj.clip_cov_ub) & (cov > obj.clip_cov_lb)
+    idx = candidates.nonzero()[:, 0]
+    clip_num = max(int(obj.clip_cov_ratio * n), 1)
+    if distributed:
+        count = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
+        counts = [torch.empty_like(count) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, count, group=group)
+        counts = [int(c) for c in counts]
+        total = sum(counts)
+        if total == 0:
+            return selected.view(shape)
+        take = min(clip_num, total)
+        chosen = torch.empty(take, dtype=torch.int64, device=idx.device)
+        if dist.get_rank(group) == 0:
+            chosen.copy_(torch.randperm(total, generator=generator)[:take].to(idx.device))
+        dist.broadcast(chosen, src=dist.get_global_rank(group, 0), group=group)
+        start = sum(counts[: dist.get_rank(group)])
+        chosen = chosen[(chosen >= start) & (chosen < start + idx.numel())] - start
+        selected[idx[chosen]] = True
+    elif idx.numel():
+        perm = torch.randperm(idx.numel(), generator=generator)
+        selected[idx[perm[: min(clip_num, idx.numel())].to(idx.device)]] = True
+    return selected.view(shape)
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    top_entropy_quantile: float,
+    *,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The tokens whose entropy is in the top `top_entropy_quantile` of the batch's valid tokens (bool).
+
+    TRL's ``GRPOConfig.top_entropy_quantile`` ("Beyond the 80/20 rule"): the threshold is the
+    ``1 - top_entropy_quantile`` quantile (linear interpolation, as ``torch.quantile``) of the valid
+    tokens' entropies, gathered over `group` (every rank must call; TRL gathers over all processes); a
+    token is kept when its entropy is at least the threshold. Pass the result as `policy_loss(...,
+    pg_mask=...)`: the other tokens keep their place in the denominators but add no policy gradient. The
+    quantile is taken in the entropies' dtype (TRL takes it in float32).
+    """
+    check_group("group", group)
+    distributed = group_size(group) > 1
+    error, values = None, {}
+    try:
+        if not _is_number(top_entropy_quantile) or not 0 <= top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be a number in [0, 1], got {top_entropy_quantile!r}")
+        ent = check_per_token(
+            "entropy", entropy, entropy.shape if isinstance(entropy, torch.Tensor) else None
+        )
+        valid = check_mask(mask, ent.shape)
+        local = ent.detach()[valid]
+        values = dict(quantile=float(top_entropy_quantile), n=local.numel())
+    except (TypeError, ValueError) as e:
+        if not distributed:
+            raise
+        error = e
+    if distributed:
+        ranks = agree_over_group(
+            group, "lmloss.rl.high_entropy_mask", ENTROPY_FIELDS, values, per_rank=("n",), floats=("quantile",),
+            error=error, like=entropy,
+        )  # fmt: skip
+        sizes = [r["n"] for r in ranks]
+        width = max(sizes)
+        padded = torch.cat([local, local.new_zeros(width - local.numel())])
+        everyone = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(everyone, padded, group=group)
+        local = torch.cat([t[:s] for t, s in zip(everyone, sizes)])
+    if local.numel() == 0:
+        return torch.zeros_like(valid)
+    values_sorted = local.sort().values
+    pos = (1.0 - top_entropy_quantile) * (values_sorted.numel() - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, values_sorted.numel() - 1)
+    threshold = torch.lerp(values_sorted[lo], values_sorted[hi], pos - lo)
+    return (ent.detach() >= threshold) & valid
+
+
+def off_policy_sequence_mask(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    threshold: float,
+    cu_seqlens: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    cp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``), bool per token.
+
+    A token is kept when its advantage is >= 0 or its sequence's mean ``sampling_logprobs - logprobs``
+    over valid tokens (NaN counted as 0, as TRL) is at most `threshold`. `sampling_logprobs`: the
+    rollout engine's (TRL: vLLM's, else the old policy's). Under CP (`sequence_ids`, `cp_group`) the
+    per-sequence sums are summed over `cp_group`. Pass the result as `policy_loss(..., pg_mask=...)`.
+    """
+    if not _is_number(threshold):
+        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    check_group("cp_group", cp_group)
+    lp = check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
+    shape = lp.shape
+    check_per_token("sampling_logprobs", sampling_logprobs, shape)
+    check_per_token("advantages", advantages, shape)
+    valid = check_mask(mask, shape).reshape(-1)
+    seq, n_seq = sequence_index(
+        shape, lp.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="off_policy_sequence_mask"
+    )
+    diff = torch.nan_to_num(sampling_logprobs.detach() - lp.detach(), nan=0.0).reshape(-1)
+    cols = torch.stack([torch.where(valid, diff, 0.0), valid.to(diff.dtype)], dim=1)
+    sums = torch.zeros((n_seq, 2), dtype=diff.dtype, device=diff.device).index_add_(0, seq, cols)
+    if group_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)
+    seq_kl = (sums[:, 0] / sums[:, 1].clamp(min=1.0))[seq]
+    keep = (advantages.detach().reshape(-1) >= 0) | (seq_kl <= threshold)
+    return (keep & valid).view(shape)
+
+
+# ----------------------------------------------------------------------------------- the loss
 
 
 def record_metrics(
@@ -306,46 +774,83 @@ def policy_loss(
     cu_seqlens: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     cp_group: ProcessGroup | None = None,
-    horizon: int | None = None,
+    horizon: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_loss_type: str = "low_var_kl",
     kl_loss_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
     rollout_is_weights: torch.Tensor | None = None,
+    pg_mask: torch.Tensor | None = None,
+    cov_selection: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     tracker: StatsTracker | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
+    dro_beta: float | None = None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    kl_importance_weighted: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's policy loss, verl's ``policy_loss`` + entropy bonus + KL loss, as one scalar.
 
     Args:
         logprobs: ``[B, T]`` (one sequence per row) or ``[N]`` packed tokens, the current policy's
             log-probs of the sampled tokens (differentiable; e.g. `lmloss.token_logprobs`).
-        old_logprobs, advantages: same shape (old: the behaviour policy's log-probs; for
-            ``"reinforce"`` only the ``ppo_kl`` metric reads them).
+        old_logprobs, advantages: same shape, constants (a tensor that requires grad is refused: pass
+            ``.detach()``). old: the behaviour policy's log-probs (for ``"reinforce"`` / ``"gpg"`` only
+            the ``ppo_kl`` metric reads them).
         mask: bool / 0-1, same shape: which tokens count (verl's ``response_mask``).
-        loss_mode: ``"vanilla"`` (PPO clip, asymmetric ``clip_ratio_low/high``, dual clip with
-            `clip_ratio_c`), ``"gspo"`` (sequence-level ratio, GSPO paper), ``"cispo"`` (stop-gradient
-            clipped IS weight on log pi), ``"reinforce"`` (``-A * log pi``).
-        clip_ratio, clip_ratio_low, clip_ratio_high: verl's; low/high default to `clip_ratio`.
-        clip_ratio_c: dual-clip bound (> 1), vanilla only; None: no dual clip (verl applies 3.0 always).
+        loss_mode: with ``r = exp(lp - old)`` (docs/rl.md has each formula):
+            ``"vanilla"`` (PPO clip, asymmetric ``clip_ratio_low/high``, dual clip with `clip_ratio_c`),
+            ``"gspo"`` (sequence ratio), ``"cispo"`` (stop-gradient clipped ratio on log pi), ``"reinforce"``
+            / ``"gpg"`` (``-A log pi``), ``"dppo_tv"`` / ``"dppo_kl"`` (DPPO: ``-A sg(r) log pi`` where the
+            probability's move is within the clips, TV or binary-KL; `clip_ratio_c` caps ``r``),
+            ``"sapo"`` (soft gate ``4 / tau * sigmoid(tau (r - 1))``, `tau_pos` / `tau_neg`), ``"clip_cov"`` /
+            ``"kl_cov"`` (PPO with covariance-selected tokens dropped / KL-penalised: `cov_selection`),
+            ``"geo_mean"`` (GMPO: the geometric mean of clipped token ratios per sequence), ``"dro"``
+            (``-(A log pi - dro_beta / 2 (lp - old)^2)``), ``"vespo"`` (TRL: ``-sg(phi(w)) A log pi`` with
+            the sequence weight ``w``, `vespo_k_pos` ...).
+        clip_ratio, clip_ratio_low, clip_ratio_high: verl's; low/high default to `clip_ratio` (DPPO's
+            divergence thresholds; GMPO's log-ratio bounds).
+        clip_ratio_c: dual-clip bound (> 1), ``"vanilla"``; the ratio cap of ``"dppo_*"``. None: off (verl
+            applies its ``clip_ratio_c`` = 3.0 always).
         loss_agg_mode: how tokens are weighted (`lmloss.rl.token_weights`), when `token_weights` is None.
             Without `token_weights` the batch is taken as the whole global batch (one process).
         token_weights: precomputed per-token weights (same shape) from `lmloss.rl.token_weights` on the
             global batch, split like the other tensors: the loss is ``sum(w * per_token_loss)``, this
-            rank's share of the global loss. Then `loss_agg_mode` is not used.
-        cu_seqlens: int ``[S + 1]`` for packed tokens (sequence boundaries, ending at N).
-        sequence_ids, cp_group: gspo under context parallelism: each local token's sequence (e.g.
-            ``split_batch(...)["sequence_ids"]``) and the group that splits sequences; the per-sequence
-            log-ratio sums are all-reduced over it so a split sequence gets one ratio.
+            rank's share of the global loss. Then `loss_agg_mode` must be left at its default.
+        cu_seqlens: int ``[S + 1]`` for packed tokens (sequence boundaries, ending at N); checked when given.
+        sequence_ids, cp_group: sequence objectives under context parallelism: each local token's
+            sequence (e.g. ``split_batch(...)["sequence_ids"]``) and the group that splits sequences; the
+            per-sequence sums are all-reduced over it so a split sequence gets one ratio.
         horizon: the constant of ``"seq-mean-token-sum-norm"`` (default ``T`` for rows).
         ref_logprobs, kl_loss_type, kl_loss_coef: KL-to-reference term (`kl_estimate`), added with weight
-            `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0).
+            `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0; a constant).
+        kl_importance_weighted: multiply the KL estimate by the differentiable token ratio ``exp(lp - old)``
+            (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL; token objectives only).
         entropy, entropy_coeff: entropy bonus, ``- entropy_coeff * H`` per token (needs `entropy` when the
             coefficient is not 0; differentiable).
-        rollout_is_weights: per-token rollout-correction IS weights (detached; `lmloss.rl.rollout`),
-            multiplying the policy-gradient term.
+        rollout_is_weights: per-token rollout-correction IS weights (constants; `lmloss.rl.rollout`),
+            multiplying the policy-gradient term (``"geo_mean"``: their per-sequence geometric mean;
+            ``"vespo"``: summed in log space into the sequence weight, as TRL).
+        pg_mask: bool, same shape: tokens whose policy term counts (the others stay in the denominators),
+            e.g. `high_entropy_mask`, `off_policy_sequence_mask`.
+        cov_selection: ``"clip_cov"`` / ``"kl_cov"``: the selected tokens (`covariance_selection` over the
+            global batch, split like the other tensors); None: selected from this call's tokens (verl's
+            per-micro-batch selection), ``clip_cov`` drawing from `generator`.
         tracker: a `lmloss.StatsTracker` to record the metrics into (global, CP-invariant after
             ``export()``).
+        tau_pos, tau_neg, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, dro_beta,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: the objectives' options, verl's /
+            TRL's names and defaults (``dro_beta`` has none: required for ``"dro"``).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss in the log-probs' dtype (or the weights' if wider), and the
@@ -358,33 +863,54 @@ def policy_loss(
     objective = Objective.make(
         loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
+        tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
     )  # fmt: skip
     if kl_loss_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
     if entropy_coeff != 0.0 and entropy is None:
         raise ValueError("entropy_coeff != 0 needs entropy (per-token entropies, e.g. return_entropy=True)")
+    check_weights_or_mode(token_weights, loss_agg_mode)
+    if cov_selection is not None and loss_mode not in SELECTION_MODES:
+        raise ValueError(f"cov_selection is for loss_mode in {SELECTION_MODES}, not {loss_mode!r}")
+    check_group("cp_group", cp_group)
     x = PerToken(
-        shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, token_weights
-    )
+        shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, token_weights,
+        pg_mask=pg_mask, cov_selection=cov_selection,
+    )  # fmt: skip
     if cu_seqlens is not None:  # checked whether or not a mode reads it: wrong boundaries are a bug upstream
         if len(shape) != 1:
             raise ValueError(f"cu_seqlens is for packed 1-D tokens; logprobs have shape {tuple(shape)}")
         if sequence_ids is None:
-            sequence_index(shape, logprobs.device, cu_seqlens=cu_seqlens, need="cu_seqlens")
+            check_packed_cu_seqlens(cu_seqlens, shape[0])
     if x.token_weights is None:
         w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype)
     else:
         w = x.token_weights
     lp = _masked(x.mask, logprobs.reshape(-1))
-    seq_ratio = None
-    if objective.loss_mode == "gspo":
+    seq_sums = None
+    if objective.loss_mode in SEQUENCE_MODES:
         seq, n_seq = sequence_index(
-            shape, lp.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="loss_mode='gspo'"
+            shape,
+            lp.device,
+            cu_seqlens=cu_seqlens,
+            sequence_ids=sequence_ids,
+            need=f"loss_mode={loss_mode!r}",
         )
-        seq_ratio = _seq_log_ratio(lp - x.old_logprobs, x.mask, seq, n_seq, cp_group)
+        columns = objective.sequence_columns(lp, x.old_logprobs, x.advantages, x.mask, x.rollout_is_weights)
+        seq_sums = _sequence_sums(columns, seq, n_seq, cp_group)
+    selected = x.cov_selection
+    if objective.loss_mode in SELECTION_MODES and selected is None:
+        selected = covariance_selection(
+            lp.detach(), x.old_logprobs, x.advantages, x.mask, loss_mode=loss_mode, clip_ratio=clip_ratio,
+            clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, generator=generator,
+        )  # fmt: skip
     per_tok, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,
-        rollout_is_weights=x.rollout_is_weights, seq_log_ratio=seq_ratio,
+        rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask, seq_sums=seq_sums, selected=selected,
     )  # fmt: skip
     loss = (w * per_tok).sum()
     return loss, record_metrics(parts, x.mask, w.detach(), x.entropy, tracker)

@@ -1,0 +1,280 @@
+"""lmloss.rl against verl 0.9.1's own code, float64, relative 1e-7 (values and d/dlogprobs).
+
+verl is imported by tests/verl_support.py (installed without its dependencies; the module is skipped where
+verl is not installed). The references are verl's functions called on the same tensors: every loss of
+``POLICY_LOSS_REGISTRY`` under every ``loss_agg_mode``, ``agg_loss`` (= `token_weights`), ``kl_penalty``
+(every KL name), the rollout-correction weights of ``rollout_corr_helper`` and ``bypass_mode``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmloss
+import verl_support
+from lmloss.rl import policy_loss, token_weights
+
+verl = verl_support.load()
+CA = verl.core_algos
+REL = dict(rtol=1e-7, atol=1e-12)
+B, T = 4, 7
+VERL_AGG_MODES = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
+
+#: lmloss's options of each registered loss: clips asymmetric (a swapped pair changes every loss below),
+#: each option away from its default where the math reads it. The same values go into verl's config.
+LOSSES = {
+    "vanilla": dict(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0),
+    "dppo_tv": dict(clip_ratio_low=0.08, clip_ratio_high=0.15, clip_ratio_c=2.5),
+    "dppo_kl": dict(clip_ratio_low=0.02, clip_ratio_high=0.06, clip_ratio_c=2.5),
+    "gspo": dict(clip_ratio_low=0.05, clip_ratio_high=0.3),
+    "sapo": dict(tau_pos=0.9, tau_neg=1.3),
+    "gpg": {},
+    "clip_cov": dict(
+        clip_ratio_low=0.1, clip_ratio_high=0.28, clip_cov_ratio=0.15, clip_cov_lb=0.2, clip_cov_ub=4.0
+    ),
+    "kl_cov": dict(kl_cov_ratio=0.2, ppo_kl_coef=0.3),
+    "geo_mean": dict(clip_ratio_low=0.1, clip_ratio_high=0.28),
+    "dro": dict(dro_beta=0.3),
+    "cispo": dict(clip_ratio_low=0.2, clip_ratio_high=0.3),
+}
+ACTOR_FIELDS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
+#: verl aggregates these policy terms its own way whatever ``loss_agg_mode`` (sapo: seq-mean-token-mean;
+#: geo_mean: the mean over rows of sequence losses); lmloss applies the given weights: the mode below is
+#: the one that equals verl's (geo_mean: when every row has a valid token).
+VERL_FIXED_AGG = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+
+
+def verl_config(loss: str, **over):
+    kw = {**LOSSES[loss], **over}
+    actor = {k: v for k, v in kw.items() if k in ACTOR_FIELDS}
+    if loss == "geo_mean":
+        actor.pop("clip_ratio_c", None)
+    return verl_support.actor_config(
+        verl, loss_mode=loss, policy_loss={k: v for k, v in kw.items() if k not in ACTOR_FIELDS}, **actor
+    )
+
+
+def _batch(seed=0, *, empty_row=True):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.1
+    old = lp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    old[:, 1::3] = lp[:, 1::3] - 1.5  # ratio e^1.5 > 3: the dual clip / the ratio cap bite
+    adv[:, 1] = -adv[:, 1].abs()
+    old[2] = lp[2] - 0.25  # one sequence far off-policy as a whole (gspo / geo_mean clip it)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 1] = True
+    if empty_row:
+        mask[0, :] = False  # a sequence without a valid token (not counted by the seq-mean modes)
+    mask[1, :2] = True
+    return lp, old, adv, mask
+
+
+def _grad(loss, x):
+    return torch.autograd.grad(loss, x)[0]
+
+
+def _verl_loss(loss, lp, old, adv, mask, agg, cfg, is_w=None):
+    value, _ = CA.POLICY_LOSS_REGISTRY[loss](
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=agg, config=cfg,
+        rollout_is_weights=is_w,
+    )  # fmt: skip
+    return value
+
+
+def test_the_installed_verl_is_the_pinned_release_with_the_registry_covered_here():
+    assert verl.version == verl_support.VERL_VERSION
+    # bypass_mode is a composition (test_bypass_mode_is_a_composition); every other name is a loss_mode
+    assert set(CA.POLICY_LOSS_REGISTRY) == set(LOSSES) | {"bypass_mode"}
+    assert set(LOSSES) <= set(lmloss.rl.LOSS_MODES)
+
+
+@pytest.mark.parametrize("agg", VERL_AGG_MODES)
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_every_registered_policy_loss_equals_verl_under_every_agg_mode(loss, agg):
+    lp, old, adv, mask = _batch(empty_row=loss != "geo_mean")
+    lp = lp.requires_grad_(True)
+    torch.manual_seed(11)  # clip_cov draws its tokens from torch's global generator, in verl and lmloss alike
+    want = _verl_loss(loss, lp, old, adv, mask, agg, verl_config(loss))
+    torch.manual_seed(11)
+    got, _ = policy_loss(
+        lp, old, adv, mask, loss_mode=loss, loss_agg_mode=VERL_FIXED_AGG.get(loss, agg), **LOSSES[loss]
+    )
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grad(got, lp), _grad(want, lp), **REL)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_rollout_is_weights_enter_every_loss_as_in_verl(loss):
+    lp, old, adv, mask = _batch(1, empty_row=loss != "geo_mean")
+    lp = lp.requires_grad_(True)
+    is_w = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.25
+    agg = VERL_FIXED_AGG.get(loss, "seq-mean-token-sum")
+    torch.manual_seed(3)
+    want = _verl_loss(loss, lp, old, adv, mask, agg, verl_config(loss), is_w=is_w)
+    torch.manual_seed(3)
+    got, _ = policy_loss(
+        lp, old, adv, mask, loss_mode=loss, loss_agg_mode=agg, rollout_is_weights=is_w, **LOSSES[loss]
+    )
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grad(got, lp), _grad(want, lp), **REL)
+
+
+def test_the_batch_exercises_every_branch_and_a_swapped_clip_pair_changes_every_clipped_loss():
+    lp, old, adv, mask = _batch()
+    for loss in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "kl_cov", "cispo", "geo_mean"):
+        kw = LOSSES[loss]
+        torch.manual_seed(11)
+        base, m = policy_loss(lp, old, adv, mask, loss_mode=loss, **kw)
+        assert 0 < m["pg_clipfrac"] < 1, (loss, m["pg_clipfrac"])  # some tokens clipped / selected, not all
+        if "clip_ratio_low" in kw:
+            swapped = {**kw, "clip_ratio_low": kw["clip_ratio_high"], "clip_ratio_high": kw["clip_ratio_low"]}
+            torch.manual_seed(11)
+            other, _ = policy_loss(lp, old, adv, mask, loss_mode=loss, **swapped)
+            assert not torch.isclose(base, other, rtol=1e-6), loss
+    _, m = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        clip_ratio_c=3.0,
+        **{k: v for k, v in LOSSES["vanilla"].items() if k != "clip_ratio_c"},
+    )
+    assert m["pg_clipfrac_lower"] > 0  # the dual clip bites
+
+
+@pytest.mark.parametrize("loss", sorted(VERL_FIXED_AGG))
+def test_verl_ignores_loss_agg_mode_for_sapo_and_geo_mean(loss):
+    # documented in docs/rl.md: lmloss applies the given weights; verl's value is the same for every mode
+    lp, old, adv, mask = _batch(2, empty_row=False)
+    values = [_verl_loss(loss, lp, old, adv, mask, agg, verl_config(loss)) for agg in VERL_AGG_MODES]
+    assert all(torch.equal(v, values[0]) for v in values)
+
+
+def test_geo_mean_divides_by_every_row_in_verl():
+    # verl's geo_mean is torch.mean over the rows, a row without a valid token included: lmloss's
+    # seq-mean-token-mean counts the S rows with one, so verl's value is S / B of it.
+    lp, old, adv, mask = _batch(3)
+    want = _verl_loss("geo_mean", lp, old, adv, mask, "token-mean", verl_config("geo_mean"))
+    got, _ = policy_loss(lp, old, adv, mask, loss_mode="geo_mean", loss_agg_mode="seq-mean-token-mean",
+                         **LOSSES["geo_mean"])  # fmt: skip
+    torch.testing.assert_close(got * (B - 1) / B, want, **REL)
+
+
+@pytest.mark.parametrize("agg", VERL_AGG_MODES)
+def test_the_actor_total_with_kl_and_entropy_equals_verl(agg):
+    # verl's actor (verl/workers/utils/losses.py ppo_loss): pg - entropy_coeff * agg_loss(entropy)
+    # + kl_loss_coef * agg_loss(kl_penalty(log_prob, ref, kl_loss_type)), every term with loss_agg_mode
+    lp, old, adv, mask = _batch(4)
+    g = torch.Generator().manual_seed(8)
+    ref = lp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ent = (torch.rand(B, T, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    lp = lp.requires_grad_(True)
+    cfg = verl_config("vanilla")
+    want = (
+        _verl_loss("vanilla", lp, old, adv, mask, agg, cfg)
+        - 0.01 * CA.agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=agg)
+        + 0.05 * CA.agg_loss(loss_mat=CA.kl_penalty(lp, ref, "k3+"), loss_mask=mask, loss_agg_mode=agg)
+    )
+    got, _ = policy_loss(lp, old, adv, mask, loss_agg_mode=agg, ref_logprobs=ref, kl_loss_type="k3+",
+                         kl_loss_coef=0.05, entropy=ent, entropy_coeff=0.01, **LOSSES["vanilla"])  # fmt: skip
+    torch.testing.assert_close(got, want, **REL)
+    for a, b in zip(torch.autograd.grad(got, [lp, ent]), torch.autograd.grad(want, [lp, ent])):
+        torch.testing.assert_close(a, b, **REL)
+
+
+@pytest.mark.parametrize("horizon", [None, 11])
+@pytest.mark.parametrize("agg", VERL_AGG_MODES)
+def test_token_weights_are_verl_agg_loss(agg, horizon):
+    lp, _, _, mask = _batch(5)
+    loss_mat = torch.randn(
+        B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(6)
+    ).requires_grad_(True)
+    want = CA.agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=agg, loss_scale_factor=horizon)
+    w = token_weights(mask, agg, horizon=horizon, dtype=torch.float64)
+    got = (w * loss_mat).sum()
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grad(got, loss_mat), _grad(want, loss_mat), **REL)
+    # packed tokens with cu_seqlens: the same weights
+    cu = torch.tensor([0, *torch.full((B,), T).cumsum(0).tolist()])
+    packed = token_weights(mask.reshape(-1), agg, cu_seqlens=cu, horizon=horizon or T, dtype=torch.float64)
+    torch.testing.assert_close(packed, w.reshape(-1), **REL)
+
+
+@pytest.mark.parametrize("kl_type", lmloss.rl.KL_LOSS_TYPES)
+def test_every_kl_name_equals_verl_kl_penalty(kl_type):
+    lp, _, _, _ = _batch(6)
+    ref = lp + 0.7 * torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref[0, 0], ref[0, 1] = lp[0, 0] + 30.0, lp[0, 1] - 30.0  # beyond k3's clamps, both sides
+    lp = lp.requires_grad_(True)
+    got, want = lmloss.rl.kl_estimate(lp, ref, kl_type), CA.kl_penalty(lp, ref, kl_type)
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grad(got.sum(), lp), _grad(want.sum(), lp), **REL)
+
+
+#: (level, threshold): TIS (a cap) and IcePop ("lower_upper": zero outside), each biting on the batches below
+IS_CASES = [("token", 1.2), ("token", "0.8_1.2"), ("sequence", 1.2), ("sequence", "0.5_1.2")]
+IS_IDS = ["token-tis", "token-icepop", "sequence-tis", "sequence-icepop"]
+
+
+def _lmloss_is_weights(current, rollout, mask, level, threshold):
+    if isinstance(threshold, str):
+        lower, upper = (float(v) for v in threshold.split("_"))
+        return lmloss.rl.masked_is_weights(current, rollout, mask, lower=lower, upper=upper, level=level)
+    return lmloss.rl.truncated_is_weights(current, rollout, mask, cap=threshold, level=level)
+
+
+def _near(x, seed):
+    return x + 0.15 * torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("level,threshold", IS_CASES, ids=IS_IDS)
+def test_rollout_correction_weights_equal_verl(level, threshold):
+    _, old, _, mask = _batch(7)
+    rollout = _near(old, 1)
+    want, _ = verl.rollout_corr_helper.compute_rollout_correction_weights(
+        log_ratio=old - rollout, response_mask=mask, rollout_is=level, rollout_is_threshold=threshold
+    )
+    got = _lmloss_is_weights(old, rollout, mask, level, threshold)
+    torch.testing.assert_close(got, want, **REL)
+    raw = torch.exp(
+        torch.where(mask, old - rollout, 0.0).sum(-1, keepdim=True) if level == "sequence" else old - rollout
+    )
+    raw = raw.expand(B, T)[mask]
+    assert (got[mask] != raw).any() and (got[mask] == raw).any()  # the threshold bites, not everywhere
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("level,threshold", IS_CASES, ids=IS_IDS)
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_mode_is_a_composition(loss_type, level, threshold, agg):
+    # verl's bypass_mode: old_log_prob is the rollout's. "ppo_clip": vanilla PPO against the rollout (the
+    # ratio is the IS correction); "reinforce": REINFORCE times IS weights of the *current* policy against
+    # the rollout, computed without gradient. In lmloss: policy_loss, and rollout weights of logprobs.
+    lp, _, adv, mask = _batch(8)
+    rollout = _near(lp, 2)
+    lp = lp.requires_grad_(True)
+    rc = verl.RolloutCorrectionConfig(loss_type=loss_type, rollout_is=level, rollout_is_threshold=threshold,
+                                      bypass_mode=True)  # fmt: skip
+    cfg = verl_support.actor_config(verl, loss_mode="bypass_mode", policy_loss=dict(rollout_correction=rc),
+                                    clip_ratio_low=0.1, clip_ratio_high=0.28)  # fmt: skip
+    want, _ = CA.compute_policy_loss_bypass_mode(
+        old_log_prob=rollout, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=agg, config=cfg
+    )
+    if loss_type == "ppo_clip":
+        got, _ = policy_loss(lp, rollout, adv, mask, loss_agg_mode=agg, clip_ratio_low=0.1, clip_ratio_high=0.28,
+                             clip_ratio_c=3.0)  # fmt: skip
+    else:
+        w = _lmloss_is_weights(lp, rollout, mask, level, threshold)  # detached, though lp requires grad
+        got, _ = policy_loss(
+            lp, rollout, adv, mask, loss_mode="reinforce", loss_agg_mode=agg, rollout_is_weights=w
+        )
+    torch.testing.assert_close(got, want, **REL)
+    torch.testing.assert_close(_grad(got, lp), _grad(want, lp), **REL)
