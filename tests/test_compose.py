@@ -213,3 +213,84 @@ def test_token_entropy_over_a_replayed_support_matches_float64(impl):
     tol = dict(rtol=1e-10, atol=1e-12) if impl == "torch" else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.double(), ref.detach(), **tol)
     torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+
+
+def _exact_kl(z, z_ref, cap, t):
+    lp = (_capped(z, cap) / t).log_softmax(-1) if cap else (z / t).log_softmax(-1)
+    lq = (_capped(z_ref, cap) / t).log_softmax(-1) if cap else (z_ref / t).log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
+def test_full_kl_in_the_fused_policy_loss_matches_float64(softcap, loss_mode, impl):
+    """``kl_loss_type="full"`` with the reference head: the KL term is the exact per-token KL(pi || pi_ref)
+    over the vocabulary (float64 here), aggregated like the other terms; hidden and weight gradients
+    equal autograd's through it (gspo: the two-pass path)."""
+    dtype = torch.float64 if impl == "torch" else torch.float32
+    hidden, weight, adv, old, _, g = _problem(13, dtype)
+    r_hidden = torch.randn(N, 5, generator=g).to(dtype)
+    r_weight = torch.randn(V, 5, generator=g).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[3] = -100
+    cu = torch.tensor([0, 5, N])
+    opts = dict(loss_mode=loss_mode, kl_loss_type="full", kl_loss_coef=0.3, entropy_coeff=0.01, temperature=T,
+                softcap=softcap, cu_seqlens=cu if loss_mode == "gspo" else None)  # fmt: skip
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, metrics = lmloss.rl.linear_policy_loss(
+        h, w, labels, old, adv, ref_hidden=r_hidden, ref_weight=r_weight, chunk_size=5, impl=impl, **opts
+    )
+    loss.backward()
+
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = hr @ wr.T
+    y = (_capped(z, softcap) if softcap else z) / T
+    logp = y.log_softmax(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    mask = labels != -100
+    lp = torch.where(mask, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    kl = _exact_kl(z, r_hidden.double() @ r_weight.double().T, softcap, T)
+    opts.pop("temperature")
+    opts.pop("softcap")
+    expected, _ = lmloss.rl.policy_loss(lp, old.double(), adv.double(), mask, entropy=ent, kl=kl, **opts)
+    expected.backward()
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(loss.double(), expected.detach(), **tol)
+    torch.testing.assert_close(h.grad.double(), hr.grad, **tol)
+    torch.testing.assert_close(w.grad.double(), wr.grad, **tol)
+    kl_ref = (torch.where(mask, kl, 0.0).sum() / mask.sum()).item()
+    assert math.isclose(float(metrics["kl_loss"]), kl_ref, rel_tol=1e-4)
+
+
+def test_full_kl_from_logits_is_the_exact_kl_and_feeds_policy_loss():
+    """`lmloss.rl.full_kl`: per-token KL(pi || pi_ref) over the vocabulary (float64 reference), the
+    reference detached; with `policy_loss(kl_loss_type="full", kl=...)` the gradient reaches the logits."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(N, V, generator=g, dtype=torch.float64, requires_grad=True)
+    x_ref = torch.randn(N, V, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[0] = -100
+    kl = lmloss.rl.full_kl(x, x_ref, labels, temperature=T, softcap=3.0, chunk_size=5)
+    expected = torch.where(labels != -100, _exact_kl(x, x_ref.detach(), 3.0, T), 0.0)
+    torch.testing.assert_close(kl, expected, rtol=1e-10, atol=1e-12)
+    lp = lmloss.token_logprobs(x, labels, temperature=T, softcap=3.0)
+    loss, _ = lmloss.rl.policy_loss(
+        lp, lp.detach(), torch.ones(N, dtype=torch.float64), labels != -100, kl_loss_type="full", kl_loss_coef=0.5, kl=kl
+    )
+    loss.backward()
+    assert x.grad is not None and x_ref.grad is None
+
+
+def test_full_kl_arguments_are_checked_naming_them():
+    hidden, weight, adv, old, ref, _ = _problem(1)
+    labels = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(ValueError, match="ref_hidden and ref_weight"):
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1)
+    with pytest.raises(ValueError, match="ref_logprobs is for the estimators"):
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, kl_loss_type="full", ref_logprobs=ref)
+    with pytest.raises(ValueError, match="does not combine"):
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1,
+                                     ref_hidden=hidden, ref_weight=weight, top_k=5)  # fmt: skip
+    with pytest.raises(ValueError, match="kl_loss_type='full'"):
+        lmloss.rl.policy_loss(old, old, adv, torch.ones(N, dtype=torch.bool), kl=old)

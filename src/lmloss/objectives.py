@@ -126,6 +126,16 @@ class FullRows:
     device: torch.device
 
 
+@dataclasses.dataclass
+class Reference:
+    """A reference policy's head beside the policy's (``kl_loss_type="full"``, `lmloss.rl.fused`):
+    ``make_source(rows)`` builds the pass's chunk source of its logits, its softcap already applied
+    (`lmloss.distill.teacher_rows`). Each chunk then also gives ``kl``, the exact KL(policy || reference)
+    over the vocabulary, whose upstream gradient the two-distribution kernels turn into the policy's."""
+
+    make_source: Callable[[int], Callable[[int, int], torch.Tensor]]
+
+
 class SoftmaxObjective:
     """One distribution's per-token outputs (``plan.outputs``) and their gradient (module docstring).
 
@@ -133,12 +143,13 @@ class SoftmaxObjective:
     outputs, per chunk), or None for the gradient of the summed loss times `grad_scale` (a 0-d device
     tensor, ``1 / count`` for a mean; None for 1). full_rows: see `FullRows`. dropped_labels: ``[N]``
     bool, labels already known to lie outside the kept set (a replayed support that misses them).
+    reference: see `Reference` (with an upstream; not under a kept set).
     """
 
     def __init__(self, plan, labels, *, upstream: Upstream | None = None, grad_scale=None, full_rows=None,
-                 dropped_labels=None):  # fmt: skip
+                 dropped_labels=None, reference: Reference | None = None):  # fmt: skip
         self.plan, self.labels, self.upstream, self.grad_scale = plan, labels, upstream, grad_scale
-        self.full_rows, self.dropped_labels = full_rows, dropped_labels
+        self.full_rows, self.dropped_labels, self.reference = full_rows, dropped_labels, reference
 
     # -- what the loop stores
 
@@ -148,6 +159,8 @@ class SoftmaxObjective:
             keys = (*keys, "keep_min", "dropped")
         if self.upstream is not None:  # each token's term of the upstream's objective (its total is their sum)
             keys = (*keys, "objective")
+        if self.reference is not None:
+            keys = (*keys, "kl")
         return keys
 
     def returned(self, results: dict) -> tuple[torch.Tensor, ...]:
@@ -168,15 +181,19 @@ class SoftmaxObjective:
 
     def start(self, n_rows: int, device: torch.device) -> dict:
         """A pass's own state (its objects live for one pass): the full rows' source and kernels."""
-        state = {"n_rows": n_rows, "search": None}
+        rows = max(1, min(n_rows, self.plan.chunk_size or n_rows))
+        state = {"n_rows": n_rows, "rows": rows, "search": None}
+        if self.reference is not None:
+            state["reference"] = self.reference.make_source(rows)
         if self.full_rows is not None:  # the full rows need kernels of their width
-            rows = max(1, min(n_rows, self.plan.chunk_size or n_rows))
             state["full"] = (self.full_rows.make_source(rows), make_kernels(self.plan.impl, rows, self.plan.vocab.size, device))
         return state
 
     def forward_chunk(self, state: dict, s: int, e: int, x: torch.Tensor, kernels, sink, *, overwrite: bool) -> dict:
         plan = self.plan
         labels = None if self.labels is None else self.labels[s:e]
+        if self.reference is not None:
+            return self._with_reference(state, s, e, x, kernels, sink, labels)
         kept = self._thresholds(state, s, e, x, kernels)
         keep = {} if kept is None else {"keep_min": kept.keep_min}
         if sink is None:
@@ -210,6 +227,46 @@ class SoftmaxObjective:
             stats["keep_min"] = kept.keep_min
             if plan.sampling.log_kept_mass:
                 stats["log_kept_mass"] = stats["lse"] - kept.full_lse
+        return stats
+
+    def _with_reference(self, state, s, e, x, kernels, sink, labels) -> dict:
+        """A chunk beside the reference's: both heads' statistics in one combine (MAX + SUM), the policy's
+        outputs, ``kl`` from the divergence's row sums (one SUM); with a sink the gradient of the upstream's
+        objective, its policy terms by the softmax kernels and its KL term by the two-distribution ones
+        (into a buffer of its own, added after: the softmax gradient may overwrite the chunk)."""
+        plan = self.plan
+        xt = state["reference"](s, e)
+        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags)
+        ref_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied the softcap
+        ref = kernels.softmax_partials(xt, None, ref_math, entropy=False, target=False, sum_logits=False)
+        c = e - s
+        both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
+        stats = finish(plan, both[:c], labels)
+        lse = torch.stack([stats["lse"], _lse(both[c:])], dim=1)
+        rows = kernels.divergence_partials(x, xt, lse, plan.math, 1.0)
+        all_reduce_sum_(rows, plan.tp_group)
+        stats["kl"] = rows[:, 0]
+        if sink is None:
+            return stats
+        grads, stats["objective"] = self.upstream(s, e, stats)
+        out = sink.buffer(s, e, x)
+        g_kl = grads.get("kl")
+        kl_grad = None
+        if g_kl is not None:
+            if "kl_grad" not in state:
+                state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)
+            kl_grad = state["kl_grad"][:c]
+            coef_kl = torch.stack([g_kl.to(stats["kl"].dtype), stats["kl"]], dim=1)
+            kernels.divergence_grad_(x, xt, lse, coef_kl, plan.math, 1.0, kl_grad)
+        coef = grad_coefficients(plan, labels, stats["lse"], grads)
+        if coef is None:
+            out.zero_()
+        else:
+            entropy = stats.get("entropy") if grads.get("entropy") is not None else None
+            kernels.softmax_grad_(x, labels, stats["lse"], entropy, coef, plan.math, out, uniform_term=False)
+        if kl_grad is not None:
+            out.add_(kl_grad)
+        sink.consume(s, e, out)
         return stats
 
     def _thresholds(self, state, s, e, x, kernels):

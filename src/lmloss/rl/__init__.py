@@ -10,13 +10,15 @@ objective fused into the LM head.
   ``off_policy_mask_threshold`` as a ``pg_mask``;
 * `linear_policy_loss`: the same from hidden states and the LM-head weight, three matmuls for
   token-separable objectives;
-* `truncated_is_weights` / `masked_is_weights`: rollout-correction weights (TIS, MIS / icepop).
+* `truncated_is_weights` / `masked_is_weights`: rollout-correction weights (TIS, MIS / icepop);
+* `full_kl`: the exact per-token KL(pi || pi_ref) over the vocabulary (``kl_loss_type="full"``).
 
 See docs/rl.md for the objectives x frameworks table (verl, TRL, ...) and the normalisation convention.
 """
 
 from lmloss.rl.aggregation import LOSS_AGG_MODES, token_weights
 from lmloss.rl.fused import linear_policy_loss
+from lmloss.rl.kl import full_kl
 from lmloss.rl.objectives import (
     KL_LOSS_TYPES,
     LOSS_MODES,
@@ -33,6 +35,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LOSS_MODES",
     "covariance_selection",
+    "full_kl",
     "high_entropy_mask",
     "kl_estimate",
     "linear_policy_loss",

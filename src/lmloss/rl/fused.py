@@ -24,23 +24,46 @@ import math
 
 import torch
 
-from lmloss import replay
+from lmloss import _validate, replay
+from lmloss.chunks import HiddenRows
+from lmloss.distill import teacher_rows
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
+from lmloss.kernels import ChunkScratch
 from lmloss.metrics import StatsTracker
-from lmloss.objectives import SoftmaxObjective
+from lmloss.objectives import DivergenceObjective, DivergenceSpec, Reference, SoftmaxObjective
 from lmloss.rl.objectives import (
     Objective,
     PerToken,
+    check_kl_arguments,
     check_weights_or_mode,
     policy_loss,
     record_metrics,
     token_weights_of,
 )
 from lmloss.sampling import make_sampling, report_dropped
-from lmloss.vocab_parallel import ProcessGroup
+from lmloss.vocab_parallel import ProcessGroup, gather_rows
 
 __all__ = ["linear_policy_loss"]
+
+
+def check_reference_head(ref_hidden, ref_weight, hidden, weight) -> None:
+    """The reference head covers the policy's vocabulary shard and its tokens (local checks)."""
+    _validate.check_floating("ref_hidden", ref_hidden)
+    _validate.check_floating("ref_weight", ref_weight)
+    if ref_weight.dim() != 2 or ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"ref_weight must be [V_local, H_ref] with the policy's V_local={weight.shape[0]}, got {tuple(ref_weight.shape)}"
+        )
+    if ref_hidden.shape[:-1] != hidden.shape[:-1] or ref_hidden.shape[-1] != ref_weight.shape[1]:
+        raise ValueError(
+            f"ref_hidden {tuple(ref_hidden.shape)} must have the policy's tokens {tuple(hidden.shape[:-1])} and "
+            f"ref_weight's width {ref_weight.shape[1]}"
+        )
+    if ref_hidden.dtype != ref_weight.dtype:
+        raise TypeError(f"ref_hidden ({ref_hidden.dtype}) and ref_weight ({ref_weight.dtype}) differ in dtype")
+    if ref_hidden.device != hidden.device or ref_weight.device != weight.device:
+        raise ValueError("ref_hidden / ref_weight must be on the policy's devices")
 
 
 class PolicyUpstream:
@@ -51,7 +74,7 @@ class PolicyUpstream:
     def __init__(self, objective: Objective, x: PerToken) -> None:
         self.objective, self.x = objective, x
 
-    def _terms(self, s, e, lp, ent, dropped) -> torch.Tensor:
+    def _terms(self, s, e, lp, ent, dropped, kl=None) -> torch.Tensor:
         x = self.x
         mask = x.mask[s:e] if dropped is None else x.mask[s:e] & ~dropped
         if dropped is not None:  # outside the kept set: -inf, left out of the objective (and finite here)
@@ -60,33 +83,35 @@ class PolicyUpstream:
             lp, x.old_logprobs[s:e], x.advantages[s:e], mask,
             ref_logprobs=None if x.ref_logprobs is None else x.ref_logprobs[s:e], entropy=ent,
             rollout_is_weights=None if x.rollout_is_weights is None else x.rollout_is_weights[s:e],
-            pg_mask=None if x.pg_mask is None else x.pg_mask[s:e],
+            pg_mask=None if x.pg_mask is None else x.pg_mask[s:e], kl=kl,
         )  # fmt: skip
         return torch.where(mask, x.token_weights[s:e] * per_tok, 0.0)
 
     def __call__(self, s: int, e: int, stats: dict) -> tuple[dict, torch.Tensor]:
         with torch.enable_grad():
-            lp = stats["logprobs"].detach().requires_grad_(True)
-            ent = stats.get("entropy")
-            ent = None if ent is None else ent.detach().requires_grad_(True)
-            terms = self._terms(s, e, lp, ent, stats.get("dropped"))
-            inputs = [lp] if ent is None else [lp, ent]
-            grads = torch.autograd.grad(terms.sum(), inputs, allow_unused=True)
-        g_lp = grads[0] if grads[0] is not None else torch.zeros_like(lp)
-        g_h = grads[1] if ent is not None and len(grads) > 1 else None
-        return {"logprobs": g_lp.detach(), "entropy": None if g_h is None else g_h.detach()}, terms.detach()
+            given = {k: stats.get(k) for k in ("logprobs", "entropy", "kl")}
+            leaves = {k: v.detach().requires_grad_(True) for k, v in given.items() if v is not None}
+            terms = self._terms(
+                s, e, leaves["logprobs"], leaves.get("entropy"), stats.get("dropped"), leaves.get("kl")
+            )  # fmt: skip
+            grads = torch.autograd.grad(terms.sum(), list(leaves.values()), allow_unused=True)
+        out = {k: (None if g is None else g.detach()) for k, g in zip(leaves, grads)}
+        if out["logprobs"] is None:
+            out["logprobs"] = torch.zeros_like(leaves["logprobs"]).detach()
+        return out, terms.detach()
 
     def evaluate(self, results: dict) -> torch.Tensor:
         """The objective over all tokens at once (no gradient was made chunk by chunk), float64."""
         lp = results["logprobs"]
-        return self._terms(0, lp.shape[0], lp, results.get("entropy"), results.get("dropped")).double().sum()
+        terms = self._terms(0, lp.shape[0], lp, results.get("entropy"), results.get("dropped"), results.get("kl"))
+        return terms.double().sum()
 
     def finish_total(self, total: torch.Tensor, results: dict) -> torch.Tensor:
         return total.to(torch.promote_types(results["logprobs"].dtype, self.x.token_weights.dtype))
 
     def extra_outputs(self, results: dict) -> tuple[torch.Tensor, ...]:
-        ent = results.get("entropy")
-        return (results["logprobs"],) if ent is None else (results["logprobs"], ent)
+        """The per-token log-probs, entropies and full KL the loop computed, for the metrics."""
+        return tuple(results[k] for k in ("logprobs", "entropy", "kl") if k in results)
 
 
 def linear_policy_loss(
@@ -144,6 +169,8 @@ def linear_policy_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     kl_importance_weighted: bool = False,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`lmloss.rl.policy_loss` of the log-probs of ``hidden @ weight.T + bias``, without the logits.
 
@@ -160,6 +187,12 @@ def linear_policy_loss(
         pg_mask, cov_selection, generator and the objectives' own options (`tau_pos`, `tau_neg`,
             `clip_cov_*`, `kl_cov_ratio`, `ppo_kl_coef`, `dro_beta`, `vespo_*`, `kl_importance_weighted`): as
             in `policy_loss`.
+        ref_hidden, ref_weight: with ``kl_loss_type="full"``, the reference policy's head (``[..., H_ref]``,
+            ``[V_local, H_ref]``: the same tokens, this rank's vocabulary shard, sequence-parallel like
+            `hidden`; any float dtype; detached): the KL term is the exact per-token KL(pi || pi_ref) over the
+            vocabulary at the policy's temperature and softcap, computed chunk by chunk beside the policy's
+            logits (one more matmul per chunk, forward only; no ``[tokens, V]`` tensor) and aggregated like
+            the other terms; its gradient is formed in the forward with the policy term.
         top_k, top_p, min_p, support: the sampler's distribution (as in `lmloss.linear_token_logprobs`):
             the objective runs on the kept set's renormalised log-probs and entropies, its gradient stays
             on the kept set; tokens whose label lies outside it are left out of the objective (warned).
@@ -187,8 +220,19 @@ def linear_policy_loss(
             clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type,
             kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff, **extra,
         )  # fmt: skip
-        if kl_loss_coef != 0.0 and ref_logprobs is None:
-            raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
+        full = kl_loss_type == "full"
+        check_kl_arguments(kl_loss_type, kl_loss_coef, ref_logprobs, ref_hidden if full else None, fused=True)
+        if (ref_hidden is None) != (ref_weight is None):
+            raise ValueError("ref_hidden and ref_weight go together (the reference head)")
+        if ref_hidden is not None:
+            if not full:
+                raise ValueError(f"ref_hidden / ref_weight are the reference head of kl_loss_type='full', not {kl_loss_type!r}")
+            if any(v is not None for v in (top_k, top_p, min_p, support)):
+                raise ValueError(
+                    "kl_loss_type='full' is the KL of the two full distributions: it does not combine with "
+                    "top_k / top_p / min_p / support"
+                )
+            check_reference_head(ref_hidden, ref_weight, hidden, weight)
         check_weights_or_mode(token_weights, loss_agg_mode)
         mask = labels.reshape(expected) != ignore_index
         x = PerToken(
@@ -228,8 +272,22 @@ def linear_policy_loss(
     )  # fmt: skip
     objective, x, mask = state["objective"], state["x"], state["mask"]
     truncated = p.plan.sampling is not None or support is not None
+    reference = None
+    if ref_hidden is not None:
+        r_flat = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1])
+        if sequence_parallel:  # the same blocks of tokens as the policy's, gathered in rank order
+            r_flat = gather_rows(r_flat, tp_group)
+        r_weight = ref_weight.detach()
+
+        def make_reference(rows):
+            source = HiddenRows(r_flat, r_weight, None, ChunkScratch(rows, r_weight.shape[0], r_weight.device), r_weight.dtype)
+            return teacher_rows(source, softcap, r_weight.dtype, weight.dtype)
+
+        reference = Reference(make_reference)
 
     def op_with(**kw) -> Op:
+        if kw.get("reference") is None:
+            kw.pop("reference", None)
         if support is None:
             return Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels, **kw))
         return replay.op_over_slots(p.plan, p.head, (p.flat, weight, bias), p.labels, state["support"], False, **kw)
@@ -238,6 +296,11 @@ def linear_policy_loss(
         outs = PerTokenLoss.apply(op_with(), p.flat, weight, bias)
         lp = outs[0].view(p.shape)
         ent = outs[1].view(p.shape) if with_entropy else None
+        kl = None
+        if reference is not None:  # the per-token full KL, in the same plan (reverse KL from the policy)
+            divergence = DivergenceObjective(p.plan, DivergenceSpec(beta=1.0), reference.make_source, p.labels)
+            (kl,) = PerTokenLoss.apply(Op(p.plan, p.head, divergence), p.flat, weight, bias)
+            kl = kl.view(p.shape)
         if truncated:
             report_dropped(lp, p.labels.view(p.shape), ignore_index)
             mask = mask & ~torch.isneginf(lp)
@@ -248,12 +311,15 @@ def linear_policy_loss(
             token_weights=token_weights, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
             horizon=horizon, ref_logprobs=ref_logprobs, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
             entropy=ent, entropy_coeff=entropy_coeff, rollout_is_weights=rollout_is_weights, tracker=tracker,
-            pg_mask=pg_mask, cov_selection=cov_selection, generator=generator, **extra,
+            pg_mask=pg_mask, cov_selection=cov_selection, generator=generator, kl=kl, **extra,
         )  # fmt: skip
     upstream = PolicyUpstream(objective, x)
-    outs = SummedLoss.apply(op_with(upstream=upstream), torch.is_grad_enabled(), None, p.flat, weight, bias)
+    outs = SummedLoss.apply(
+        op_with(upstream=upstream, reference=reference), torch.is_grad_enabled(), None, p.flat, weight, bias
+    )
     loss, lp = outs[0], outs[1]
     ent = outs[2] if with_entropy else None
+    kl = outs[-1] if reference is not None else None
     metrics_mask = x.mask
     if truncated:
         report_dropped(lp.view(p.shape), p.labels.view(p.shape), ignore_index)
@@ -263,5 +329,6 @@ def linear_policy_loss(
     _, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, metrics_mask, ref_logprobs=x.ref_logprobs, entropy=metrics_entropy,
         rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask,
+        kl=None if kl is None else torch.where(metrics_mask, kl, 0.0),
     )  # fmt: skip
     return loss, record_metrics(parts, metrics_mask, x.token_weights, metrics_entropy, tracker)

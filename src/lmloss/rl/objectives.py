@@ -173,8 +173,8 @@ class Objective:
                     f"clip_ratio_c is the dual clip of loss_mode='vanilla' and the ratio cap of 'dppo_tv' / "
                     f"'dppo_kl', not an option of {loss_mode!r}"
                 )
-        if kl_loss_type not in KL_LOSS_TYPES:
-            raise ValueError(f"kl_loss_type must be one of {KL_LOSS_TYPES}, got {kl_loss_type!r}")
+        if kl_loss_type not in KL_LOSS_TYPES + ("full",):
+            raise ValueError(f"kl_loss_type must be one of {KL_LOSS_TYPES + ('full',)}, got {kl_loss_type!r}")
         for name, v in (("kl_loss_coef", kl_loss_coef), ("entropy_coeff", entropy_coeff)):
             if not _is_number(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -262,8 +262,11 @@ class Objective:
         pg_mask: torch.Tensor | None = None,
         seq_sums: torch.Tensor | None = None,
         selected: torch.Tensor | None = None,
+        kl: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``pg + kl_loss_coef * kl - entropy_coeff * H`` (0 where not `mask`) and its parts.
+        `kl`: with ``kl_loss_type="full"``, each token's exact KL(pi || ref) over the vocabulary
+        (differentiable; `full_kl`), in place of the estimate from `ref_logprobs`.
 
         All tensors share one shape; inputs are already 0 where `mask` is False. `seq_sums`: each token's
         sequence's sums of `sequence_columns` (sequence objectives). `selected`: the `covariance_selection`
@@ -365,7 +368,10 @@ class Objective:
         loss = pg
         parts = dict(log_ratio=log_ratio.detach(), pg=pg.detach(), ratio=ratio, clipped=clipped,
                      clipped_lower=clipped_lower)  # fmt: skip
-        if ref_logprobs is not None:
+        if self.kl_loss_type == "full" and kl is not None:
+            parts["kl"] = kl.detach()
+            loss = loss + self.kl_loss_coef * kl
+        elif ref_logprobs is not None:
             kl = kl_estimate(logprobs, ref_logprobs, self.kl_loss_type)
             if self.kl_importance_weighted:  # TRL's use_bias_correction_kl: E_old[r kl], r differentiable
                 kl = kl * log_ratio.exp()
@@ -398,6 +404,22 @@ def check_constant(name: str, t: torch.Tensor) -> None:
             f"{name} requires grad; it is a constant of the objective (its gradient would be silently dropped "
             f"or wrong, e.g. policy_loss(lp, lp, ...) has exactly zero gradient): pass {name}.detach()"
         )
+
+
+def check_kl_arguments(kl_loss_type: str, kl_loss_coef: float, ref_logprobs, kl, *, fused: bool = False) -> None:
+    """The KL term's inputs: `ref_logprobs` for the estimators, the per-token full KL (`kl`, or in the fused
+    op the reference head) for ``"full"``; each only with its type."""
+    if kl_loss_type == "full":
+        if ref_logprobs is not None:
+            raise ValueError("kl_loss_type='full' computes the KL over the vocabulary; ref_logprobs is for the estimators")
+        if kl_loss_coef != 0.0 and kl is None:
+            need = "ref_hidden and ref_weight (the reference head)" if fused else "kl (per-token full KL: lmloss.rl.full_kl)"
+            raise ValueError(f"kl_loss_type='full' with kl_loss_coef != 0 needs {need}")
+        return
+    if kl is not None:
+        raise ValueError(f"a per-token full KL was given but kl_loss_type={kl_loss_type!r}; use kl_loss_type='full'")
+    if kl_loss_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
 
 
 def check_weights_or_mode(token_weights: object, loss_agg_mode: str) -> None:
@@ -798,6 +820,7 @@ def policy_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     kl_importance_weighted: bool = False,
+    kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's policy loss, verl's ``policy_loss`` + entropy bonus + KL loss, as one scalar.
 
@@ -834,6 +857,9 @@ def policy_loss(
         horizon: the constant of ``"seq-mean-token-sum-norm"`` (default ``T`` for rows).
         ref_logprobs, kl_loss_type, kl_loss_coef: KL-to-reference term (`kl_estimate`), added with weight
             `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0; a constant).
+            ``kl_loss_type="full"``: the exact KL(pi || ref) over the whole vocabulary at each token, given as
+            `kl` (differentiable, same shape: `full_kl` of the policy's and the reference's logits;
+            `linear_policy_loss` computes it from both heads itself) instead of `ref_logprobs`.
         kl_importance_weighted: multiply the KL estimate by the differentiable token ratio ``exp(lp - old)``
             (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL; token objectives only).
         entropy, entropy_coeff: entropy bonus, ``- entropy_coeff * H`` per token (needs `entropy` when the
@@ -868,8 +894,7 @@ def policy_loss(
         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
         vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
     )  # fmt: skip
-    if kl_loss_coef != 0.0 and ref_logprobs is None:
-        raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
+    check_kl_arguments(kl_loss_type, kl_loss_coef, ref_logprobs, kl)
     if entropy_coeff != 0.0 and entropy is None:
         raise ValueError("entropy_coeff != 0 needs entropy (per-token entropies, e.g. return_entropy=True)")
     check_weights_or_mode(token_weights, loss_agg_mode)
@@ -908,9 +933,12 @@ def policy_loss(
             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_cov_ratio=clip_cov_ratio,
             clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, generator=generator,
         )  # fmt: skip
+    if kl is not None:
+        check_per_token("kl", kl, shape)
+        kl = _masked(x.mask, kl.reshape(-1))
     per_tok, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,
-        rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask, seq_sums=seq_sums, selected=selected,
+        rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask, seq_sums=seq_sums, selected=selected, kl=kl,
     )  # fmt: skip
     loss = (w * per_tok).sum()
     return loss, record_metrics(parts, x.mask, w.detach(), x.entropy, tracker)
