@@ -186,6 +186,23 @@ class TeacherRows:
         return transform_into(torch.empty(x.shape, dtype=self.dtype, device=x.device), x, self.math)
 
 
+def second_head(hidden, weight, *, softcap, sequence_parallel: bool, tp_group, student_dtype: torch.dtype):
+    """The chunk-source factory ``make_source(rows)`` of a second LM head beside an op's own (a distillation
+    teacher, an RL reference policy): its hidden states detached (with sequence parallelism, the same
+    blocks of tokens as the first head's, gathered in rank order), each pass's source with scratch of its
+    own, read as `teacher_rows` reads it (its softcap, the student's compute dtype where it is wider)."""
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    if sequence_parallel:
+        flat = gather_rows(flat, tp_group)
+    weight = weight.detach()
+
+    def make_source(rows: int):
+        source = HiddenRows(flat, weight, None, ChunkScratch(rows, weight.shape[0], weight.device), weight.dtype)
+        return teacher_rows(source, softcap, weight.dtype, student_dtype)
+
+    return make_source
+
+
 def teacher_rows(source, cap: float | None, teacher_dtype: torch.dtype, student_dtype: torch.dtype):
     """`source` as it is, or wrapped in `TeacherRows` when it has a softcap or is wider than the student."""
     acc = compute_dtype(student_dtype)
@@ -427,15 +444,10 @@ def linear_distillation_loss(
     topk = checked.get("topk")
     make_teacher = None
     if teacher_hidden is not None:
-        t_flat = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-        if sequence_parallel:  # the same blocks of tokens as the student's, gathered in rank order
-            t_flat = gather_rows(t_flat, tp_group)
-        t_weight = teacher_weight.detach()
-
-        def make_teacher(rows):
-            scratch = ChunkScratch(rows, t_weight.shape[0], t_weight.device)
-            source = HiddenRows(t_flat, t_weight, None, scratch, t_weight.dtype)
-            return teacher_rows(source, teacher_softcap, t_weight.dtype, student_weight.dtype)
+        make_teacher = second_head(
+            teacher_hidden, teacher_weight, softcap=teacher_softcap, sequence_parallel=sequence_parallel,
+            tp_group=tp_group, student_dtype=student_weight.dtype,
+        )  # fmt: skip
 
     if reduction == "none":
         objective = _objective(p.plan, spec, topk, p.labels, make_teacher)

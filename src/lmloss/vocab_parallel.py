@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import struct
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -357,24 +358,72 @@ def _float_bits(v: float) -> int:
 def _raise_rank_errors(group, ranks: list[dict], mine: BaseException | None, device: torch.device) -> None:
     """If any rank failed a local check, every rank gathers the messages (one more fixed-size all-gather)
     and raises the same `RankAgreementError` naming the ranks; otherwise nothing."""
-    failed = [i for i, r in enumerate(ranks) if r["error"]]
+    _raise_rejected(group, [r["error"] for r in ranks], mine, device, ranks_are="TP ranks", group_is="tp_group")
+
+
+def _raise_rejected(group, codes: list[int], mine, device, *, ranks_are: str, group_is: str) -> None:
+    """The ranks whose error code is nonzero failed a local check: every rank gathers their messages and raises
+    the same error (a `RankAgreementTypeError` where one was a `TypeError`), naming them."""
+    failed = [i for i, c in enumerate(codes) if c]
     if not failed:
         return
     texts = _gather_text(group, "" if mine is None else str(mine), device)
     messages = [texts[i] for i in failed]
+    one = ranks_are.removesuffix("ranks") + "rank"
     if len(set(messages)) == 1:
-        who = (
-            f"TP rank {failed[0]} of {len(ranks)} rejected its"
-            if len(failed) == 1
-            else f"TP ranks {failed} rejected their"
-        )
+        who = f"{one} {failed[0]} of {len(codes)} rejected its" if len(failed) == 1 else f"{ranks_are} {failed} rejected their"
         detail = f"{who} arguments: {messages[0]}"
     else:
-        detail = "TP ranks rejected their arguments: " + "; ".join(
-            f"rank {i}: {m}" for i, m in zip(failed, messages)
-        )
-    kind = RankAgreementTypeError if any(ranks[i]["error"] == 2 for i in failed) else RankAgreementError
-    raise kind(f"{detail} (raised on every rank of tp_group, so that none waits in a collective)")
+        detail = f"{ranks_are} rejected their arguments: " + "; ".join(f"rank {i}: {m}" for i, m in zip(failed, messages))
+    kind = RankAgreementTypeError if any(codes[i] == 2 for i in failed) else RankAgreementError
+    raise kind(f"{detail} (raised on every rank of {group_is}, so that none waits in a collective)")
+
+
+def agree_over_group(
+    group: ProcessGroup,
+    what: str,
+    fields: Sequence[str],
+    values: dict[str, int | float],
+    *,
+    per_rank: Sequence[str] = (),
+    floats: Sequence[str] = (),
+    error: BaseException | None = None,
+    like: object = None,
+) -> list[dict[str, int | float]]:
+    """Every rank's `values` after ONE all-gather of a fixed-size int64 vector over `group` (the agreement of
+    a function that is not a plan's op: `lmloss.rl.token_weights`, `covariance_selection`, ...).
+
+    The vector is ``[error code, *fields]`` on every rank whatever its arguments (a field missing from
+    `values` travels as 0; `floats` travel as their float64 bits). `error`: this rank's failed check
+    (raised here after the gather, on every rank). Then, on every rank alike: if some rank failed, a
+    second fixed-size all-gather carries the messages and every rank raises the same
+    `RankAgreementError` (`RankAgreementTypeError` for a `TypeError`); otherwise every field not in
+    `per_rank` must be equal on every rank, or every rank raises naming the field and each rank's value.
+    `what` names the function for the messages; `like`: a tensor on the collectives' device.
+    """
+    device = _collective_device(group, like)
+    code = 0 if error is None else 2 if isinstance(error, TypeError) else 1
+    row = [code] + [_float_bits(values.get(k, 0.0)) if k in floats else int(values.get(k, 0)) for k in fields]
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    rows = [t.tolist() for t in everyone]
+    _raise_rejected(group, [r[0] for r in rows], error, device, ranks_are=f"{what}: ranks", group_is="the group")
+    unbits = {k for k in fields if k in floats}
+    ranks = [
+        {k: struct.unpack("<d", struct.pack("<q", v))[0] if k in unbits else v for k, v in zip(fields, r[1:])}
+        for r in rows
+    ]
+    for k in fields:
+        if k in per_rank:
+            continue
+        seen = [r[k] for r in ranks]
+        if len(set(seen)) > 1:
+            raise RankAgreementError(
+                f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
+                f"same value, or they would compute inconsistent results or issue different collectives"
+            )
+    return ranks
 
 
 def _check_agreement(ranks: list[dict]) -> None:

@@ -24,15 +24,13 @@ is the global one divided by ``dp_size``.
 from __future__ import annotations
 
 import math
-import struct
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
 from lmloss.packing import as_cu_seqlens, check_cu_seqlens
-from lmloss.vocab_parallel import ProcessGroup, RankAgreementError, RankAgreementTypeError, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
 
 #: verl's ``loss_agg_mode`` names, and lmloss's prompt-group mode.
 LOSS_AGG_MODES = (
@@ -45,8 +43,6 @@ LOSS_AGG_MODES = (
 )
 #: verl adds this to each sequence's token count in ``seq-mean-token-mean`` (kept for parity).
 SEQ_LEN_EPS = 1e-8
-#: Bytes of each rank's error message in the second all-gather (made only when some rank failed a check).
-MESSAGE_BYTES = 512
 #: The fields of `token_weights`' agreement vector; ``tokens``, ``seqs`` and ``prompts`` are this rank's
 #: counts (summed / maxed after the gather), every other field must be equal on every rank.
 TOKEN_WEIGHT_FIELDS = ("mode", "horizon", "dtype", "prompt_ids", "tokens", "seqs", "prompts")
@@ -54,7 +50,6 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64:
 
 __all__ = [
     "LOSS_AGG_MODES",
-    "agree_over_group",
     "check_ids",
     "check_mask",
     "group_size",
@@ -164,84 +159,6 @@ def check_horizon(horizon: object) -> float:
 def group_size(group: ProcessGroup | None) -> int:
     """The number of ranks of `group` (1 for None)."""
     return 1 if group is None else dist.get_world_size(group)
-
-
-def _collective_device(group: ProcessGroup, like: object) -> torch.device:
-    if isinstance(like, torch.Tensor):
-        return like.device
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _bits(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
-
-
-def _unbits(v: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", v))[0]
-
-
-def agree_over_group(
-    group: ProcessGroup,
-    what: str,
-    fields: Sequence[str],
-    values: dict[str, int | float],
-    *,
-    per_rank: Sequence[str] = (),
-    floats: Sequence[str] = (),
-    error: BaseException | None = None,
-    like: object = None,
-) -> list[dict[str, int | float]]:
-    """Every rank's `values` after ONE all-gather of a fixed-size int64 vector over `group`.
-
-    The vector is ``[error code, *fields]`` on every rank whatever its arguments (a field missing from
-    `values` travels as 0; `floats` travel as their float64 bits). `error`: this rank's failed check
-    (raised here after the gather, on every rank). Then, on every rank alike: if some rank failed, a
-    second fixed-size all-gather carries the messages and every rank raises the same
-    `RankAgreementError` (`RankAgreementTypeError` for a `TypeError`); otherwise every field not in
-    `per_rank` must be equal on every rank, or every rank raises naming the field and each rank's value.
-    `what` names the function for the messages; `like`: a tensor on the collectives' device.
-    """
-    device = _collective_device(group, like)
-    code = 0 if error is None else 2 if isinstance(error, TypeError) else 1
-    row = [code] + [_bits(values.get(k, 0.0)) if k in floats else int(values.get(k, 0)) for k in fields]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [t.tolist() for t in everyone]
-    failed = [i for i, r in enumerate(rows) if r[0]]
-    if failed:
-        text = b"" if error is None else str(error).encode()[:MESSAGE_BYTES]
-        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-        buf[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        buf = buf.to(device)
-        texts = [torch.empty_like(buf) for _ in rows]
-        dist.all_gather(texts, buf, group=group)
-        messages = [bytes(texts[i].cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for i in failed]
-        if len(set(messages)) == 1:
-            who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
-            detail = f"{what}: {who} of {len(rows)} rejected its arguments: {messages[0]}"
-        else:
-            detail = f"{what}: ranks rejected their arguments: " + "; ".join(
-                f"rank {i}: {m}" for i, m in zip(failed, messages)
-            )
-        kind = RankAgreementTypeError if any(rows[i][0] == 2 for i in failed) else RankAgreementError
-        raise kind(f"{detail} (raised on every rank of the group, so that none waits in a collective)")
-    ranks = [{k: _unbits(v) if k in floats else v for k, v in zip(fields, r[1:])} for r in rows]
-    for k in fields:
-        if k in per_rank:
-            continue
-        seen = [r[k] for r in ranks]
-        if len(set(seen)) > 1:
-            raise RankAgreementError(
-                f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
-                f"same value, or they would compute inconsistent weights or issue different collectives"
-            )
-    return ranks
-
-
-# ----------------------------------------------------------------------------------- token weights
 
 
 def token_weights(

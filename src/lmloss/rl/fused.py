@@ -25,11 +25,9 @@ import math
 import torch
 
 from lmloss import _validate, replay
-from lmloss.chunks import HiddenRows
-from lmloss.distill import teacher_rows
+from lmloss.distill import second_head
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
-from lmloss.kernels import ChunkScratch
 from lmloss.metrics import StatsTracker
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, Reference, SoftmaxObjective
 from lmloss.rl.objectives import (
@@ -42,7 +40,7 @@ from lmloss.rl.objectives import (
     token_weights_of,
 )
 from lmloss.sampling import make_sampling, report_dropped
-from lmloss.vocab_parallel import ProcessGroup, gather_rows
+from lmloss.vocab_parallel import ProcessGroup
 
 __all__ = ["linear_policy_loss"]
 
@@ -273,17 +271,11 @@ def linear_policy_loss(
     objective, x, mask = state["objective"], state["x"], state["mask"]
     truncated = p.plan.sampling is not None or support is not None
     reference = None
-    if ref_hidden is not None:
-        r_flat = ref_hidden.detach().reshape(-1, ref_hidden.shape[-1])
-        if sequence_parallel:  # the same blocks of tokens as the policy's, gathered in rank order
-            r_flat = gather_rows(r_flat, tp_group)
-        r_weight = ref_weight.detach()
-
-        def make_reference(rows):
-            source = HiddenRows(r_flat, r_weight, None, ChunkScratch(rows, r_weight.shape[0], r_weight.device), r_weight.dtype)
-            return teacher_rows(source, softcap, r_weight.dtype, weight.dtype)
-
-        reference = Reference(make_reference)
+    if ref_hidden is not None:  # the policy's head transform: its softcap (and temperature, in the kernels)
+        reference = Reference(second_head(
+            ref_hidden, ref_weight, softcap=softcap, sequence_parallel=sequence_parallel, tp_group=tp_group,
+            student_dtype=weight.dtype,
+        ))  # fmt: skip
 
     def op_with(**kw) -> Op:
         if kw.get("reference") is None:

@@ -29,14 +29,13 @@ import torch.distributed as dist
 from lmloss._validate import check_group
 from lmloss.metrics import StatsTracker
 from lmloss.rl.aggregation import (
-    agree_over_group,
     check_mask,
     check_packed_cu_seqlens,
     group_size,
     sequence_index,
     token_weights,
 )
-from lmloss.vocab_parallel import ProcessGroup
+from lmloss.vocab_parallel import ProcessGroup, agree_over_group
 
 #: verl 0.9.1's registered policy losses (but ``bypass_mode``, a composition), verl's ``reinforce`` and
 #: TRL's ``vespo``.
