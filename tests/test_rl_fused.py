@@ -256,3 +256,34 @@ def test_fused_bad_arguments_name_them():
         lmloss.rl.linear_policy_loss(p["hidden"], p["weight"], p["labels"], p["old"], p["adv"], loss_mode="grpo")
     with pytest.raises(ValueError, match="ref_logprobs"):
         lmloss.rl.linear_policy_loss(p["hidden"], p["weight"], p["labels"], p["old"], p["adv"], kl_loss_coef=0.1)
+
+
+def test_full_kl_to_a_reference_head_holds_chunk_buffers_not_a_tokens_by_vocab_tensor():
+    """``kl_loss_type="full"`` with ``ref_hidden``/``ref_weight``: the reference head is read chunk by chunk
+    in the same loop, so the peak above linear_cross_entropy's is a fixed number of fp32 chunks (PyTorch
+    kernels: both heads' chunks, both log-softmaxes, the KL gradient and a work buffer: 6 fp32 chunks without
+    and 8 with the entropy bonus, 5 and 7 above cross-entropy's one), never a ``[N, V]`` tensor."""
+    n, h, v, chunk = 1024, 32, 2000, 64
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).requires_grad_()
+    ref_hidden, ref_weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / h**0.5
+    labels = torch.randint(0, v, (n,), generator=g)
+    old, adv = -torch.rand(n, generator=g) - 7, torch.randn(n, generator=g)
+
+    def peak(fn):
+        hidden.grad = weight.grad = None
+        with peak_memory(record=True, min_bytes=64 * 1024) as mem:
+            fn().backward()
+        return mem
+
+    ce = peak(lambda: lmloss.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)).peak_bytes
+    chunk_bytes = chunk * v * 4
+    for entropy_coeff, buffers in ((0.0, 5), (0.05, 7)):
+        mem = peak(lambda: lmloss.rl.linear_policy_loss(
+            hidden, weight, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1, entropy_coeff=entropy_coeff,
+            ref_hidden=ref_hidden, ref_weight=ref_weight, chunk_size=chunk)[0])  # fmt: skip
+        bound = ce + buffers * chunk_bytes + 128 * n
+        assert mem.peak_bytes <= bound, f"{(mem.peak_bytes - ce) / chunk_bytes:.2f} chunks above cross-entropy"
+        assert bound < ce + n * v * 4  # the bound has teeth: one [N, V] fp32 tensor would not fit in it
+        assert all(a.shape != (n, v) for a in mem.allocations)

@@ -106,13 +106,14 @@ class Prepared:
 
 def prepare(
     hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
-    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, checks=None, **options,
+    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, chunk_buffers=1, checks=None, **options,
 ) -> Prepared:  # fmt: skip
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states (every fused op's door).
 
     `agree`: more values every TP rank must share (fields of `lmloss.vocab_parallel.HOST_FIELDS`);
     `bytes_per_logit`: the PyTorch implementation's per-logit working set for ``chunk_size="auto"``
-    (default `TORCH_BYTES_PER_LOGIT`), for ops holding more; `checks`: the op's own local checks, run
+    (default `TORCH_BYTES_PER_LOGIT`), for ops holding more; `chunk_buffers`: how many chunk-sized buffers
+    of the input dtype the Triton implementation holds (1: the chunk itself); `checks`: the op's own local checks, run
     before the rank agreement (``checks(expected_leading_shape)``); `options`: `make_plan`'s.
     """
     _validate.check_group("tp_group", tp_group)
@@ -126,7 +127,7 @@ def prepare(
     h_width, dtype_bytes = weight.shape[1], weight.element_size()
 
     def auto_chunk(n_tokens, local_vocab, impl):
-        per_logit = dtype_bytes if impl == "triton" else (bytes_per_logit or TORCH_BYTES_PER_LOGIT)
+        per_logit = chunk_buffers * dtype_bytes if impl == "triton" else (bytes_per_logit or TORCH_BYTES_PER_LOGIT)
         return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit, budget_mib=budget)
 
     grad = torch.is_grad_enabled() and sum(

@@ -243,29 +243,33 @@ class SoftmaxObjective:
         both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
         stats = finish(plan, both[:c], labels)
         lse = torch.stack([stats["lse"], _lse(both[c:])], dim=1)
-        rows = kernels.divergence_partials(x, xt, lse, plan.math, 1.0)
-        all_reduce_sum_(rows, plan.tp_group)
-        stats["kl"] = rows[:, 0]
         if sink is None:
+            rows = all_reduce_sum_(kernels.divergence_partials(x, xt, lse, plan.math, 1.0), plan.tp_group)
+            stats["kl"] = rows[:, 0]
             return stats
-        grads, stats["objective"] = self.upstream(s, e, stats)
+        upstream = {}
+
+        def finish_kl(rows):  # the KL's row sums, then the objective's upstream of every output
+            stats["kl"] = all_reduce_sum_(rows, plan.tp_group)[:, 0]
+            grads, stats["objective"] = self.upstream(s, e, stats)
+            upstream.update(grads)
+            g_kl = grads.get("kl")
+            g_kl = torch.zeros_like(stats["kl"]) if g_kl is None else g_kl.to(stats["kl"].dtype)
+            return None, torch.stack([g_kl, stats["kl"]], dim=1)
+
         out = sink.buffer(s, e, x)
-        g_kl = grads.get("kl")
-        kl_grad = None
-        if g_kl is not None:
-            if "kl_grad" not in state:
-                state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)
-            kl_grad = state["kl_grad"][:c]
-            coef_kl = torch.stack([g_kl.to(stats["kl"].dtype), stats["kl"]], dim=1)
-            kernels.divergence_grad_(x, xt, lse, coef_kl, plan.math, 1.0, kl_grad)
+        if "kl_grad" not in state:
+            state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)
+        kl_grad = state["kl_grad"][:c]
+        kernels.divergence_partials_then_grad_(x, xt, lse, plan.math, 1.0, finish_kl, kl_grad)
+        grads = upstream
         coef = grad_coefficients(plan, labels, stats["lse"], grads)
         if coef is None:
             out.zero_()
         else:
             entropy = stats.get("entropy") if grads.get("entropy") is not None else None
             kernels.softmax_grad_(x, labels, stats["lse"], entropy, coef, plan.math, out, uniform_term=False)
-        if kl_grad is not None:
-            out.add_(kl_grad)
+        out.add_(kl_grad)
         sink.consume(s, e, out)
         return stats
 

@@ -89,6 +89,17 @@ def _ranks(rank, world):
                 loss = lmloss.linear_distillation_loss(h, w, d["t_hidden"].to(dtype), t_w, d["labels"], **common)
                 loss.backward()
                 out[("distill", path, impl)] = (loss.detach(), h.grad, w.grad)
+    for sp in (False, True):  # the full KL to a reference head, its vocabulary sharded like the policy's
+        rows = slice(rank * (N // WORLD), (rank + 1) * (N // WORLD)) if sp else slice(None)
+        h = d["hidden"][rows].clone().requires_grad_()
+        w = _shard(d["weight"], rank).clone().requires_grad_()
+        loss, _ = lmloss.rl.linear_policy_loss(
+            h, w, d["labels"], d["old"], d["adv"], kl_loss_type="full", kl_loss_coef=0.3, ref_hidden=d["t_hidden"][rows],
+            ref_weight=_shard(d["t_weight"], rank), temperature=T, softcap=CAP, tp_group=tp, sequence_parallel=sp,
+            chunk_size=4,
+        )  # fmt: skip
+        loss.backward()
+        out[("full_kl", sp)] = (loss.detach(), h.grad, w.grad)
     if TRITON:
         x = (d["hidden"] @ _shard(d["weight"], rank).T).float()
         labels = (_capped(d["hidden"] @ d["weight"].T) / T).topk(6, dim=-1).indices[:, -1]  # the boundary
@@ -169,3 +180,26 @@ def test_tp2_top_k_boundary_token_stays_kept_under_softcap_on_triton(ranks):
         ref = y.masked_fill(~kept, -math.inf).log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
         assert torch.isfinite(lp).all()
         torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_tp2_full_kl_policy_loss_matches_one_process_float64(ranks, sp):
+    """``kl_loss_type="full"`` under TP=2 (and sequence parallelism): the loss, the hidden gradient (all-reduced,
+    or each rank's rows) and each rank's weight-shard gradient equal one process's float64 math."""
+    d = _data()
+    h, w = d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_()
+    z = h @ w.T
+    lp_all = (_capped(z) / T).log_softmax(-1)
+    lq = (_capped(d["t_hidden"] @ d["t_weight"].T) / T).log_softmax(-1)
+    kl = (lp_all.exp() * (lp_all - lq)).sum(-1)
+    mask = d["labels"] != -100
+    lp = torch.where(mask, lp_all.gather(1, d["labels"].clamp(min=0)[:, None]).squeeze(1), 0.0)
+    expected, _ = lmloss.rl.policy_loss(lp, d["old"], d["adv"], mask, kl_loss_type="full", kl_loss_coef=0.3, kl=kl)
+    expected.backward()
+    tol = dict(rtol=1e-10, atol=1e-12)
+    for rank, got in enumerate(ranks):
+        loss, gh, gw = got[("full_kl", sp)]
+        torch.testing.assert_close(loss, expected.detach(), **tol)
+        rows = slice(rank * (N // WORLD), (rank + 1) * (N // WORLD)) if sp else slice(None)
+        torch.testing.assert_close(gh, h.grad[rows], **tol)
+        torch.testing.assert_close(gw, _shard(w.grad, rank), **tol)

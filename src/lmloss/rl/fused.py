@@ -267,6 +267,10 @@ def linear_policy_loss(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("logprobs", "entropy") if with_entropy else ("logprobs",), checks=checks, agree={"op": 4},
+        # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
+        # both heads' chunks and the KL's gradient (Triton); PyTorch: those, its two log-softmaxes and two
+        # work buffers, all fp32
+        **(dict(bytes_per_logit=32, chunk_buffers=3) if kl_loss_type == "full" else {}),
     )  # fmt: skip
     objective, x, mask = state["objective"], state["x"], state["mask"]
     truncated = p.plan.sampling is not None or support is not None
