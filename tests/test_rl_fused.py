@@ -280,8 +280,8 @@ def test_full_kl_to_a_reference_head_holds_chunk_buffers_not_a_tokens_by_vocab_t
     ce = peak(lambda: lmloss.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)).peak_bytes
     chunk_bytes = chunk * v * 4
     for entropy_coeff, buffers in ((0.0, 5), (0.05, 7)):
-        mem = peak(lambda: lmloss.rl.linear_policy_loss(
-            hidden, weight, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1, entropy_coeff=entropy_coeff,
+        mem = peak(lambda coeff=entropy_coeff: lmloss.rl.linear_policy_loss(
+            hidden, weight, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1, entropy_coeff=coeff,
             ref_hidden=ref_hidden, ref_weight=ref_weight, chunk_size=chunk)[0])  # fmt: skip
         bound = ce + buffers * chunk_bytes + 128 * n
         assert mem.peak_bytes <= bound, f"{(mem.peak_bytes - ce) / chunk_bytes:.2f} chunks above cross-entropy"
