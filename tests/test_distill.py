@@ -456,3 +456,36 @@ def test_a_sparse_teacher_certain_of_one_token_gives_the_students_cross_entropy_
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_a_sparse_teacher_whose_top_k_mass_is_a_little_above_one_gets_the_gradient_of_its_loss(path):
+    """An engine's top-k probabilities may sum a little above 1 (by up to TOPK_MASS_TOLERANCE): the teacher's
+    tail bucket is then empty (mass 0), the loss the KL over the K ids, and the student's gradient that
+    loss's gradient (float64 autograd of it), as at a mass of exactly 1 or below."""
+    g = torch.Generator().manual_seed(25)
+    hidden = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, 6, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(V, generator=g)[:3] for _ in range(3)])
+    probs = torch.tensor([[0.5, 0.3, 0.2008], [0.5, 0.25, 0.25], [0.4, 0.2, 0.1]], dtype=torch.float64)
+    assert 1.0 < probs[0].sum() < 1.0 + lmloss.distill.TOPK_MASS_TOLERANCE
+    h, w = _leaf(hidden), _leaf(weight)
+    if path == "logits":
+        z = (h @ w.T).detach().requires_grad_()
+        loss = lmloss.distillation_loss(z, None, teacher_topk=(ids, probs.log()), reduction="sum")
+        leaves = [z]
+    else:
+        loss = lmloss.linear_distillation_loss(h, w, None, None, teacher_topk=(ids, probs.log()), reduction="sum")
+        leaves = [h, w]
+    loss.backward()
+    hr, wr = _leaf(hidden), _leaf(weight)
+    zr = (hr @ wr.T).detach().requires_grad_() if path == "logits" else hr @ wr.T
+    ls = zr.log_softmax(-1).gather(1, ids)
+    q_tail = (1.0 - probs.sum(-1)).clamp(min=0.0)
+    p_tail = 1.0 - ls.exp().sum(-1)
+    expected = ((probs * (probs.log() - ls)).sum(-1) + torch.xlogy(q_tail, q_tail) - q_tail * p_tail.log()).sum()
+    expected.backward()
+    refs = [zr.grad] if path == "logits" else [hr.grad, wr.grad]
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    for got, want in zip([t.grad for t in leaves], refs):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
