@@ -469,8 +469,8 @@ def _permuted(t):
 F32_0_9 = float(torch.tensor(0.9, dtype=torch.float32))  # 0.8999999761581421
 
 
-def _tokenwise(value):
-    return torch.full((N,), value)
+def _tokenwise(value, dtype=None):
+    return torch.full((N,), value, dtype=dtype)
 
 
 # The arguments the RL, sampling, replay and distillation ops add (issue #23's adversarial cases): every one
@@ -495,7 +495,8 @@ DISAGREEMENTS.update({
     "unknown_kl_type_on_one_rank": (("linear_policy_loss",), _policy(kl_loss_type=("k3", "k9")), ["kl_loss_type"]),
     "per_token_top_k": (("token_logprobs", "linear_policy_loss"),
                         lambda r: (_data(0, N, 16), dict(top_k=_tokenwise(_per_rank(r, 3, 4)))), ["top_k"]),
-    "per_token_top_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(top_p=_tokenwise(_per_rank(r, 0.9, 0.8)))),
+    # per token, differing in the last bits: the ranks would compute (the same crossing bins) instead of raising
+    "per_token_top_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(top_p=_tokenwise(_per_rank(r, 0.9, F32_0_9), torch.float64))),
                         ["top_p"]),  # fmt: skip
     "per_token_min_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(min_p=_tokenwise(_per_rank(r, 0.1, 0.2)))),
                         ["min_p"]),  # fmt: skip
