@@ -71,7 +71,7 @@ def test_fused_policy_loss_under_the_kept_set_matches_float64(case, softcap, imp
     labels[7] = -100
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with pytest.warns(sampling.KeptSetWarning, match="1 label"):
-        loss, _ = lmloss.rl.linear_policy_loss(
+        loss, metrics = lmloss.rl.linear_policy_loss(
             h, w, labels, old, adv, ref_logprobs=ref, temperature=T, softcap=softcap, chunk_size=5, impl=impl,
             **POLICY, **kw,
         )  # fmt: skip
@@ -89,7 +89,7 @@ def test_fused_policy_loss_under_the_kept_set_matches_float64(case, softcap, imp
     # token-mean over the batch's response tokens (the mask the caller passed): the left-out token still
     # counts in the denominator, its term is 0
     weights = mask.double() / valid.sum()
-    expected, _ = lmloss.rl.policy_loss(
+    expected, expected_metrics = lmloss.rl.policy_loss(
         lp, old.double(), adv.double(), mask, ref_logprobs=ref.double(), entropy=ent, token_weights=weights, **POLICY
     )
     expected.backward()
@@ -97,6 +97,52 @@ def test_fused_policy_loss_under_the_kept_set_matches_float64(case, softcap, imp
     torch.testing.assert_close(loss.double(), expected.detach(), **tol)
     torch.testing.assert_close(h.grad.double(), hr.grad, **tol)
     torch.testing.assert_close(w.grad.double(), wr.grad, **tol)
+    # the metrics are those of the tokens in the objective: the loss shares (pg_loss, kl_loss, entropy_loss,
+    # which add up to the loss) and the means over the tokens whose label is in the kept set
+    assert set(metrics) == set(expected_metrics)
+    for key, value in expected_metrics.items():
+        torch.testing.assert_close(metrics[key].double(), value.double(), **tol, msg=key)
+
+
+@pytest.mark.parametrize("loss_mode, agg", [("gspo", "seq-mean-token-mean"), ("kl_cov", "token-mean")])
+def test_fused_policy_loss_of_a_whole_sequence_under_the_kept_set_keeps_the_callers_denominators(loss_mode, agg):
+    """The objectives that need every token's log-prob first (sequence ratios, covariance selections) leave a
+    token whose label is outside the kept set out of the objective like the token objectives do: its term is
+    0, and the aggregation's denominators are those of the caller's mask, which still counts it."""
+    b, t = 3, N // 3
+    hidden, weight, adv, old, _, g = _problem(4)
+    y = (hidden @ weight.T) / T
+    kept = vllm_kept(y, top_k=per_row(7, N))
+    labels = torch.multinomial(kept.double(), 1, generator=g).squeeze(1)
+    labels[5] = int((~kept[5]).nonzero()[0])  # outside the kept set: left out of the objective
+    labels[10] = -100
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    options = dict(loss_mode=loss_mode, kl_cov_ratio=0.2, entropy_coeff=0.01)
+    with pytest.warns(sampling.KeptSetWarning, match="1 label"):
+        loss, metrics = lmloss.rl.linear_policy_loss(
+            h.view(b, t, H), w, labels.view(b, t), old.view(b, t), adv.view(b, t), loss_agg_mode=agg,
+            temperature=T, chunk_size=5, top_k=7, **options,
+        )  # fmt: skip
+    loss.backward()
+
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp = ((hr @ wr.T) / T).masked_fill(~kept, -math.inf).log_softmax(-1)
+    ent = -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1)
+    valid = labels != -100
+    mask = valid & kept.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    lp = torch.where(mask, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    weights = lmloss.rl.token_weights(valid.view(b, t), agg, dtype=torch.float64)  # the caller's mask
+    expected, expected_metrics = lmloss.rl.policy_loss(
+        lp.view(b, t), old.view(b, t), adv.view(b, t), mask.view(b, t), token_weights=weights,
+        entropy=ent.view(b, t), **options,
+    )  # fmt: skip
+    expected.backward()
+    tol = dict(rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(loss, expected.detach(), **tol)
+    torch.testing.assert_close(h.grad, hr.grad, **tol)
+    torch.testing.assert_close(w.grad, wr.grad, **tol)
+    for key, value in expected_metrics.items():
+        torch.testing.assert_close(metrics[key], value, **tol, msg=key)
 
 
 def _divergence(ls, lt, beta):

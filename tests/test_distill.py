@@ -8,8 +8,10 @@ over the K ids). Gradients of the reference come from autograd on float64 leaves
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -398,3 +400,92 @@ def test_a_teacher_that_requires_grad_is_detached(path):
     else:
         loss = lmloss.linear_distillation_loss(h, w, th, tw)
     assert not loss.requires_grad and loss.grad_fn is None
+
+
+class _HoldsActivation(torch.autograd.Function):
+    """The identity, whose graph node holds `activation` (as a teacher layer's saved activations would)."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.activation = activation
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_the_students_loss_does_not_keep_the_teachers_graph_alive(path, reduction):
+    """While the student's loss (and its graph, for the backward) lives, the teacher's autograd graph (its
+    layers' saved activations) may be freed: the op keeps the teacher's values, detached, not its graph."""
+    g = torch.Generator().manual_seed(24)
+    th = torch.randn(4, 3, generator=g, requires_grad=True)
+    tw = torch.randn(16, 3, generator=g, requires_grad=True)
+    h = torch.randn(4, 5, generator=g, requires_grad=True)
+    w = torch.randn(16, 5, generator=g, requires_grad=True)
+    activations = [torch.zeros(8) for _ in range(2)]
+    alive = [weakref.ref(a) for a in activations]
+    if path == "logits":
+        teacher_head = (_HoldsActivation.apply(th @ tw.T, activations[0]),)
+        loss = lmloss.distillation_loss(h @ w.T, *teacher_head, reduction=reduction)
+    else:  # the teacher's hidden states and head weight, each the output of a graph
+        teacher_head = tuple(_HoldsActivation.apply(t, a) for t, a in zip((th, tw), activations))
+        loss = lmloss.linear_distillation_loss(h, w, *teacher_head, reduction=reduction)
+    del teacher_head, activations
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    loss.sum().backward()  # the student's graph is intact
+    assert h.grad is not None and w.grad is not None and th.grad is None and tw.grad is None
+
+
+def test_a_sparse_teacher_certain_of_one_token_gives_the_students_cross_entropy_on_it():
+    """A teacher log-prob of exactly 0 (probability 1; its other ids at -inf) is a valid top-k: the forward KL
+    is then the student's cross-entropy on that token, its gradient ``p_s - onehot``."""
+    student, _, labels = _problem(7)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    logprobs = torch.full((N, K), -math.inf, dtype=torch.float64)
+    logprobs[:, 0] = 0.0
+    x = _leaf(student)
+    loss = lmloss.distillation_loss(x, None, labels, teacher_topk=(ids, logprobs), chunk_size=CHUNK)
+    loss.backward()
+    xr = _leaf(student)
+    expected = torch.nn.functional.cross_entropy(xr, torch.where(labels == -100, -100, ids[:, 0]))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_a_sparse_teacher_whose_top_k_mass_is_a_little_above_one_gets_the_gradient_of_its_loss(path):
+    """An engine's top-k probabilities may sum a little above 1 (by up to TOPK_MASS_TOLERANCE): the teacher's
+    tail bucket is then empty (mass 0), the loss the KL over the K ids, and the student's gradient that
+    loss's gradient (float64 autograd of it), as at a mass of exactly 1 or below."""
+    g = torch.Generator().manual_seed(25)
+    hidden = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, 6, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(V, generator=g)[:3] for _ in range(3)])
+    probs = torch.tensor([[0.5, 0.3, 0.2008], [0.5, 0.25, 0.25], [0.4, 0.2, 0.1]], dtype=torch.float64)
+    assert 1.0 < probs[0].sum() < 1.0 + lmloss.distill.TOPK_MASS_TOLERANCE
+    h, w = _leaf(hidden), _leaf(weight)
+    if path == "logits":
+        z = (h @ w.T).detach().requires_grad_()
+        loss = lmloss.distillation_loss(z, None, teacher_topk=(ids, probs.log()), reduction="sum")
+        leaves = [z]
+    else:
+        loss = lmloss.linear_distillation_loss(h, w, None, None, teacher_topk=(ids, probs.log()), reduction="sum")
+        leaves = [h, w]
+    loss.backward()
+    hr, wr = _leaf(hidden), _leaf(weight)
+    zr = (hr @ wr.T).detach().requires_grad_() if path == "logits" else hr @ wr.T
+    ls = zr.log_softmax(-1).gather(1, ids)
+    q_tail = (1.0 - probs.sum(-1)).clamp(min=0.0)
+    p_tail = 1.0 - ls.exp().sum(-1)
+    expected = ((probs * (probs.log() - ls)).sum(-1) + torch.xlogy(q_tail, q_tail) - q_tail * p_tail.log()).sum()
+    expected.backward()
+    refs = [zr.grad] if path == "logits" else [hr.grad, wr.grad]
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    for got, want in zip([t.grad for t in leaves], refs):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

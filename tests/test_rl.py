@@ -240,6 +240,18 @@ def test_prompt_mean_weights_give_each_prompt_group_equal_total_weight():
     torch.testing.assert_close(w, expected)
 
 
+def test_prompt_mean_counts_only_the_prompt_groups_that_have_a_valid_token():
+    """G is the number of prompt groups with a valid token: a group whose sequences are all masked out, and
+    a prompt id no sequence uses, take no share of the weight."""
+    mask = torch.tensor([1, 1, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5, 9])  # sequences of 2, 3 (all masked), 4 tokens
+    prompt = torch.tensor([0, 1, 3])  # prompt 1 has no valid token, prompt 2 no sequence
+    w = token_weights(mask, "prompt-mean-token-mean", cu_seqlens=cu, prompt_ids=prompt, dtype=torch.float64)
+    expected = torch.tensor([1 / 2, 1 / 2, 0, 0, 0, 1 / 4, 1 / 4, 1 / 4, 1 / 4], dtype=torch.float64) / 2
+    torch.testing.assert_close(w, expected)
+    torch.testing.assert_close(w.sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
 def test_token_weights_of_an_empty_batch_are_zero():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):

@@ -191,12 +191,17 @@ def test_delta_is_the_dual_clip(trainer):
     assert not torch.isclose(without, got, rtol=1e-4)  # delta bites here
 
 
-def test_top_entropy_quantile_is_a_pg_mask(trainer):
+@pytest.mark.parametrize("quantile", [0.4, 0.5], ids=["between_two_entropies", "at_an_entropy"])
+def test_top_entropy_quantile_is_a_pg_mask(trainer, quantile):
+    # 17 valid tokens: at 0.5 the threshold is the 9th smallest entropy itself (position 8 of 0..16), a token
+    # TRL keeps (entropy >= threshold)
     t = _tensors(4)
     lp = t["lp"].clone().requires_grad_(True)
-    want = trl_loss(trainer, t, lp, loss_type="grpo", top_entropy_quantile=0.4, beta=0.04)
-    keep = lmloss.rl.high_entropy_mask(t["ent"], t["mask"], 0.4)
+    want = trl_loss(trainer, t, lp, loss_type="grpo", top_entropy_quantile=quantile, beta=0.04)
+    keep = lmloss.rl.high_entropy_mask(t["ent"], t["mask"], quantile)
     assert 0 < keep.sum() < t["mask"].sum()
+    at_threshold = t["ent"][t["mask"]] == t["ent"][t["mask"]].float().quantile(1 - quantile).double()
+    assert int(at_threshold.sum()) == (1 if quantile == 0.5 else 0)
     got = lmloss_loss(t, lp, loss_agg_mode="seq-mean-token-mean", clip_ratio_high=0.28, pg_mask=keep,
                       ref_logprobs=t["ref"], kl_loss_type="k3", kl_loss_coef=0.04)  # fmt: skip
     _check(got, want, lp)

@@ -170,6 +170,45 @@ def test_ties_at_the_top_k_boundary_are_all_kept():
     torch.testing.assert_close(lp[kept], ref[kept])
 
 
+def test_min_p_keeps_the_fp32_logit_just_above_its_float64_threshold_and_drops_the_one_just_below():
+    """``p >= min_p * max p`` is ``y >= M + log(min_p)``: a float64 threshold that lies between two fp32 values
+    here (M = 0, min_p = 0.1). vLLM's rule on the exact probabilities drops the fp32 logit just below it (which
+    the threshold rounded to the nearest fp32 would equal) and keeps the one just above."""
+    threshold = math.log(0.1)
+    below = torch.tensor(threshold, dtype=torch.float32)  # the nearest fp32 is below it
+    above = torch.nextafter(below, torch.tensor(0.0))
+    assert below.double() < threshold < above.double()
+    logits = torch.tensor([[0.0, float(below), float(above), -5.0]])
+    kept = kept_set_of(logits, 1.0, min_p=0.1)
+    assert kept.tolist() == [[True, False, True, False]]
+    assert torch.equal(kept, vllm_kept(logits.double(), min_p=per_row(0.1, 1)))
+
+
+@pytest.mark.parametrize("kept_by", ["top_k", "support"])
+def test_a_label_outside_the_kept_set_passes_no_gradient_whatever_its_upstream(kept_by):
+    """Its log-prob is the constant -inf: an upstream gradient that reaches it (a loss that did not mask it
+    out) adds nothing, and the logits' gradient is that of the other tokens' log-probs alone."""
+    n, v = 6, 50
+    logits = make_logits(n, v, seed=8, dtype=torch.float64)
+    kept = vllm_kept(logits, top_k=per_row(5, n))
+    g = torch.Generator().manual_seed(8)
+    labels = torch.multinomial(kept.double(), 1, generator=g).squeeze(1)
+    labels[1] = int((~kept[1]).nonzero()[0])
+    labels[3] = -100
+    u = torch.randn(n, generator=g, dtype=torch.float64)
+    kw = dict(top_k=5) if kept_by == "top_k" else dict(support=logits.topk(5, dim=-1).indices)
+    x = logits.clone().requires_grad_()
+    with pytest.warns(sampling.KeptSetWarning, match="1 label"):
+        lp = lmloss.token_logprobs(x, labels, chunk_size=4, **kw)
+    (grad,) = torch.autograd.grad(lp, x, u)
+    xr = logits.clone().requires_grad_()
+    lp_ref = xr.masked_fill(~kept, -INF).log_softmax(-1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    counted = (labels != -100) & (torch.arange(n) != 1)
+    (grad_ref,) = torch.autograd.grad((lp_ref * u)[counted].sum(), xr)
+    assert lp[1] == -INF
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+
+
 def test_all_ignored_rows_give_zero_values_and_zero_gradient():
     logits = make_logits(6, 200, seed=7).requires_grad_()
     labels = torch.full((6,), -100)

@@ -220,6 +220,18 @@ def test_resume_with_another_tp_stops_before_any_process_starts(full, tmp_path, 
     assert "was written with tp=1; resume with --tp 1" in err
 
 
+def test_load_of_a_checkpoint_written_with_another_tp_names_that_tp_and_restores_nothing(full):
+    """`checkpoint.load` itself (for a caller that did not go through the command line's check): a tp=1
+    checkpoint into a tp=2 layout's rank is refused, naming the tp to resume with, and nothing is restored."""
+    point = checkpoint.find(full, "latest")
+    model = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(checkpoint.CheckpointError, match=r"was written with tp=1; resume with --tp 1 "):
+        checkpoint.load(point, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        mesh=Mesh(tp=2, tp_rank=0), device=torch.device("cpu"))  # fmt: skip
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_resume_with_more_micro_batches_per_step_continues_the_data_where_it_stopped(full, tmp_path, capsys):
     out = _interrupted(full, tmp_path / "run")  # 4 micro-batches consumed, one per step
     code, _, err = _sft(capsys, out, "--resume", "latest", "--steps", "5", "--micro-batches", "2")

@@ -557,8 +557,10 @@ class SparseTeacherObjective:
         return loss, (lq, ls, lse, q_tail, p_tail, idx, owned)
 
     def _grad_(self, x, state, weight, kernels, out):
-        """The student's gradient into `out`: ``p_s - q`` at the teacher's ids, and with the tail
-        ``p_s (1 - q_tail / p_tail)`` at every other column (0 there without the tail)."""
+        """The student's gradient into `out`: ``Z p_s - q`` at the teacher's ids, and with the tail
+        ``p_s (Z - q_tail / p_tail)`` at every other column (0 there without the tail), where ``Z = sum q +
+        q_tail`` is the teacher's mass over the K + 1 buckets: 1, or its top-k mass where that is a little
+        above 1 (an engine's rounding, within `lmloss.distill.TOPK_MASS_TOLERANCE`: the tail is then empty)."""
         lq, ls, lse, q_tail, p_tail, idx, owned = state
         m = self.plan.math
         slope = m.scale
@@ -567,11 +569,12 @@ class SparseTeacherObjective:
             slope = (1.0 - t * t) * m.scale
         p_ids = ls.exp()
         if self.spec.tail:
-            a = 1.0 - q_tail / p_tail
+            total = lq.exp().sum(-1) + q_tail
+            a = total - q_tail / p_tail
             coef = torch.zeros((x.shape[0], 4), dtype=lse.dtype, device=x.device)
             coef[:, 0] = torch.where(weight != 0, weight * a, 0.0)  # select: an ignored row's a may be NaN
             kernels.softmax_grad_(x, None, lse, None, coef, m, out, uniform_term=False)
-            at_ids = p_ids * (1.0 - a)[:, None] - lq.exp()
+            at_ids = p_ids * (total - a)[:, None] - lq.exp()
         else:
             out.zero_()
             at_ids = p_ids - lq.exp()

@@ -185,6 +185,16 @@ def _with(d, **changes):
     return dict(d, **{k: fn(d[k]) for k, fn in changes.items()})
 
 
+def _as_dtype(d, dtype):
+    """`d` with the logits and the head (hidden, weight) in `dtype`."""
+    return _with(d, **{k: (lambda t: t.to(dtype)) for k in ("logits", "hidden", "weight")})
+
+
+def _empty(d):
+    """`d` with no token (every per-token tensor cut to 0 rows; the weights kept)."""
+    return {k: v if k in ("weight", "t_weight") else v[:0] for k, v in d.items()}
+
+
 def _requiring_grad(d):
     """Logits that an op made (so in-place is allowed), hidden and weight leaves that require grad."""
     leaf = d["logits"].clone().requires_grad_()
@@ -285,20 +295,19 @@ DISAGREEMENTS = {
         lambda r: (_data(r, N, 16, h=_per_rank(r, 8, 6)), {}),
         ["hidden_width", "[8, 6]"],
     ),
-    # what changes the collectives' sizes or the math, beyond the shapes
+    # what changes the collectives' sizes or the math, beyond the shapes. float32 beside float64 would all-reduce
+    # partials of different sizes (a crash, not an error, were the dtype not agreed): on an empty batch the
+    # loop makes no collective after the agreement, so a dtype left out of it shows as a computed result;
+    # float16 beside bfloat16 computes in float32 on both ranks (the same collectives) with another rounding
     "dtype": (
         ALL,
-        lambda r: (
-            _with(
-                _data(0, N, 16),
-                **{
-                    k: (lambda t, r=r: t.to(_per_rank(r, torch.float32, torch.float64)))
-                    for k in ("logits", "hidden", "weight")
-                },
-            ),
-            {},
-        ),
+        lambda r: (_as_dtype(_empty(_data(0, N, 16)), _per_rank(r, torch.float32, torch.float64)), {}),
         ["dtype", "[2, 3]"],
+    ),
+    "dtype_float16_beside_bfloat16": (
+        ALL,
+        lambda r: (_as_dtype(_data(0, N, 16), _per_rank(r, torch.float16, torch.bfloat16)), {}),
+        ["dtype", "[0, 1]"],
     ),
     "op": (
         ("cross_entropy",),
@@ -448,12 +457,20 @@ def _with_tensor(key, change, **kw):
     return make
 
 
+def _sparse_tail_on_an_empty_batch(r):
+    d = _empty(_data(0, N, 16))
+    return d, dict(teacher_topk=(d["topk_ids"], d["topk_logprobs"]), tail=_per_rank(r, True, False))
+
+
 def _permuted(t):
     return t.flip(-1)
 
 
-def _tokenwise(value):
-    return torch.full((N,), value)
+F32_0_9 = float(torch.tensor(0.9, dtype=torch.float32))  # 0.8999999761581421
+
+
+def _tokenwise(value, dtype=None):
+    return torch.full((N,), value, dtype=dtype)
 
 
 # The arguments the RL, sampling, replay and distillation ops add (issue #23's adversarial cases): every one
@@ -478,10 +495,16 @@ DISAGREEMENTS.update({
     "unknown_kl_type_on_one_rank": (("linear_policy_loss",), _policy(kl_loss_type=("k3", "k9")), ["kl_loss_type"]),
     "per_token_top_k": (("token_logprobs", "linear_policy_loss"),
                         lambda r: (_data(0, N, 16), dict(top_k=_tokenwise(_per_rank(r, 3, 4)))), ["top_k"]),
-    "per_token_top_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(top_p=_tokenwise(_per_rank(r, 0.9, 0.8)))),
+    # per token, differing in the last bits: the ranks would compute (the same crossing bins) instead of raising
+    "per_token_top_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(top_p=_tokenwise(_per_rank(r, 0.9, F32_0_9), torch.float64))),
                         ["top_p"]),  # fmt: skip
     "per_token_min_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(min_p=_tokenwise(_per_rank(r, 0.1, 0.2)))),
                         ["min_p"]),  # fmt: skip
+    # one number for every token, differing in the last bits (a config value read as float32 on one rank): ranks
+    # that computed with their own value would find the same crossing bins and compute without an error
+    "top_p": (("token_logprobs", "linear_policy_loss"), lambda r: (_data(0, N, 16), dict(top_p=_per_rank(r, 0.9, F32_0_9))),
+              ["top_p", f"[0.9, {F32_0_9}]"]),  # fmt: skip
+    "min_p": (("token_logprobs",), lambda r: (_data(0, N, 16), dict(min_p=_per_rank(r, 0.1, 0.2))), ["min_p", "[0.1, 0.2]"]),
     "support": (("token_logprobs", "linear_token_logprobs", "linear_policy_loss"),
                 _with_tensor("support", _permuted, support="@support"), ["support"]),  # fmt: skip
     "support_id_past_the_vocabulary": (("token_logprobs", "linear_token_logprobs"), lambda r: (
@@ -498,6 +521,11 @@ DISAGREEMENTS.update({
                          ["teacher_ids"]),  # fmt: skip
     "teacher_topk_mass_above_one_on_one_rank": (("distillation_loss",), _with_tensor(
         "topk_logprobs", lambda t: t + 3.0, teacher_topk="@topk"), ["teacher_logprobs"]),
+    # with tokens, ranks that disagree on tail= would issue different collectives (the tail's statistics): on
+    # an empty batch a tail left out of the agreement shows as a computed result instead of a hang
+    "sparse_teacher_tail_on_an_empty_batch": (("distillation_loss",), _sparse_tail_on_an_empty_batch, ["tail", "[1, 0]"]),
+    "ignore_mask_of_a_distillation_on_one_rank": (("distillation_loss",), lambda r: (
+        _with_label(_data(0, N, 16), 3, _per_rank(r, 5, -100)), {}), ["different mask"]),
     "teacher_softcap": (("distillation_loss", "linear_distillation_loss"),
                         lambda r: (_data(0, N, 16), dict(teacher_softcap=_per_rank(r, 2.0, 3.0))), ["teacher_softcap"]),
     "student_softcap": (("distillation_loss", "linear_distillation_loss"),

@@ -131,6 +131,13 @@ def _dp_microbatches(d, dp_rank, dp, world_group, mode, agg):
     return parts, tracker.export(), (pos, sel)
 
 
+def _uneven_selection(d, dp_rank, dp):
+    """kl_cov's selection over a DP pair whose ranks hold sequences 0-5 and 6-7: rank 0 has more valid tokens
+    than rank 1 (the global indices of the merged top-k must still be told apart)."""
+    pos, _, _ = _sequences(d, list(range(6)) if dp_rank == 0 else [6, 7])
+    return pos, _selection(d, pos, "kl_cov", dp)
+
+
 def _dp_cp(d, dp_rank, cp_rank, dp, cp, world_group, mode, agg):
     seqs = list(range(4 * dp_rank, 4 * dp_rank + 4))
     pos, cu, prompts = _sequences(d, seqs)
@@ -268,6 +275,7 @@ def worker(rank: int, world_size: int) -> dict:
     for mode, agg in CASES:
         out["dp2_mb2"][mode, agg] = _dp_microbatches(d, rank % 2, pair, pair, mode, agg)
         out["dp2_cp2"][mode, agg] = _dp_cp(d, rank // 2, rank % 2, strided[rank % 2], pair, world, mode, agg)
+    out["kl_cov_uneven"] = _uneven_selection(d, rank % 2, pair)
     out["ddp"] = _ddp(d, rank % 2, pair)
     out["fused_tp2"] = {sp: _fused_tp(d, rank % 2, pair, sp) for sp in (False, True)}
     out["is_cp2"] = _is_weights_cp(d, rank // 2, rank % 2, pair)
@@ -383,6 +391,19 @@ def test_covariance_selection_over_the_dp_group_is_the_one_process_selection(res
     assert torch.equal(got, want)
     assert 1 < want.sum() < d["mask"].sum()  # several tokens from both DP halves, not all
     assert want[:32].any() and want[32:].any()
+
+
+def test_covariance_selection_over_dp_ranks_holding_different_token_counts_is_the_one_process_selection(results):
+    d = _batch()
+    want = _selection(d, torch.arange(d["lp"].numel()), "kl_cov", None)
+    got = torch.zeros_like(want)
+    counts = []
+    for r in range(WORLD):
+        pos, sel = results[r]["kl_cov_uneven"]
+        got[pos] = sel
+        counts.append(int(d["mask"][pos].sum()))
+    assert torch.equal(got, want)
+    assert counts[0] > counts[1]  # rank 0 of each pair holds more valid tokens
 
 
 def test_sequence_level_is_weights_under_cp_equal_the_one_process_weights(results):

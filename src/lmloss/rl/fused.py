@@ -297,14 +297,16 @@ def linear_policy_loss(
             divergence = DivergenceObjective(p.plan, DivergenceSpec(beta=1.0), reference.make_source, p.labels)
             (kl,) = PerTokenLoss.apply(Op(p.plan, p.head, divergence), p.flat, weight, bias)
             kl = kl.view(p.shape)
+        aggregation = dict(loss_agg_mode=loss_agg_mode, token_weights=token_weights)
         if truncated:
             report_dropped(lp, p.labels.view(p.shape), ignore_index)
             mask = mask & ~torch.isneginf(lp)
             lp = torch.where(mask, lp, 0.0)
+            # left out of the objective, still in the denominators: the weights of the caller's mask
+            aggregation = dict(loss_agg_mode="token-mean", token_weights=x.token_weights.view(p.shape))
         return policy_loss(
             lp, old_logprobs, advantages, mask, loss_mode=loss_mode, clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, loss_agg_mode=loss_agg_mode,
-            token_weights=token_weights, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
+            clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, **aggregation, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
             horizon=horizon, ref_logprobs=ref_logprobs, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
             entropy=ent, entropy_coeff=entropy_coeff, rollout_is_weights=rollout_is_weights, tracker=tracker,
             pg_mask=pg_mask, cov_selection=cov_selection, generator=generator, kl=kl, **extra,
@@ -327,4 +329,6 @@ def linear_policy_loss(
         rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask,
         kl=None if kl is None else torch.where(metrics_mask, kl, 0.0),
     )  # fmt: skip
-    return loss, record_metrics(parts, metrics_mask, x.token_weights, metrics_entropy, tracker)
+    # the loss shares of the tokens in the objective (a token outside the kept set adds none)
+    shares = x.token_weights if not truncated else torch.where(metrics_mask, x.token_weights, 0.0)
+    return loss, record_metrics(parts, metrics_mask, shares, metrics_entropy, tracker)
