@@ -47,7 +47,16 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_max_, all_reduce_sum_, world_size
+from lmloss.kernels import INVARIANT_BLOCK
+from lmloss.kernels.torch_ref import block_sums
+from lmloss.vocab_parallel import (
+    ProcessGroup,
+    all_reduce_max_,
+    all_reduce_sum_,
+    fixed_point_sum,
+    to_fixed_point,
+    world_size,
+)
 
 #: Top-p bins a token by its fp32 ``exp(y - M)``: the exponent and this many leading mantissa bits, i.e.
 #: ``2**5`` bins per halving of the probability (about 0.022 in y), fixed (no value range to find first)
@@ -227,7 +236,7 @@ class ChunkThresholds:
 
 def keep_thresholds(
     y: torch.Tensor, x: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch,
-    want_full_lse: bool,
+    want_full_lse: bool, invariant: bool = False,
 ) -> ChunkThresholds:  # fmt: skip
     """The kept set of each row of the chunk's scaled logits (see `ChunkThresholds`).
 
@@ -239,6 +248,10 @@ def keep_thresholds(
     params: `Sampling.rows` of the chunk. group: the TP group (thresholds are global).
     scratch: a `ChunkScratch` with chunk-sized buffers (the exps are left in its ``"exps"`` buffer).
     want_full_lse: also the global ``logsumexp(y)`` (for the kept mass).
+    invariant: the invariant mode (docs/invariant.md): every mass is summed in fixed point
+        (`lmloss.vocab_parallel.to_fixed_point`), so that the kept set and the full mass are the same bits
+        however the rows are chunked and the vocabulary sharded; the kept set's mass is then left to the
+        kernels (`ChunkThresholds.kept_mass` None).
     """
     rows, dt, dev = y.shape[0], y.dtype, y.device
     neg_inf = torch.full((rows,), -math.inf, dtype=dt, device=dev)
@@ -256,16 +269,22 @@ def keep_thresholds(
     exps = torch.sub(y, big_m[:, None], out=scratch.get("exps", rows, y.shape[1], dt)).exp_()
     full_lse = None
     if want_full_lse:
-        full = all_reduce_sum_(_sum64(exps), group)
+        if invariant:
+            full = fixed_point_sum(block_sums(exps, INVARIANT_BLOCK), group)
+        else:
+            full = all_reduce_sum_(_sum64(exps), group)
         full_lse = (big_m.double() + full.log()).to(dt)
     kept_mass = None
     if params["top_p"] is not None:
         top_p = _per_row(params["top_p"], rows, dev, torch.float64)
         if bool((top_p < 1.0).any()):
-            t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            if invariant:
+                t = _top_p_threshold_exact(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            else:
+                t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
             keep = torch.maximum(keep, t)
             # under TP the mass is the group's, not this shard's: the kernels sum their own
-            if world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
+            if not invariant and world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
                 kept_mass = mass.to(dt)
     return ChunkThresholds(
         keep_min=_on_logits(x, y, keep, group, scratch), row_max=big_m, exps=exps, full_lse=full_lse,
@@ -405,6 +424,60 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
         return torch.where(active, t, -math.inf), kept_mass
 
 
+def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Tensor:
+    """`_top_p_threshold` in the invariant mode: the same histogram, crossing bin and candidates, with every
+    mass a fixed-point integer (`to_fixed_point` of each token's ``exp(y - M)``): the bins, their group sum,
+    the masses above and at or above each bin and the candidates' running masses are exact integer sums, the
+    same whatever the chunk and the shards. The candidates' masses are recomputed from their values by the
+    same elementwise ops as the histogram's, so the two agree on every token and the crossing always lies
+    among the candidates (the dense fallback stays for rows that still miss, e.g. a bin of masses below
+    ``2**-38``). Returns the threshold (-inf where top_p == 1)."""
+    rows, cols = y.shape
+    dt, dev = y.dtype, y.device
+    nb = TOP_P_BINS
+    keep_cut = bool(torch.isfinite(keep).any())
+    if keep_cut:
+        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
+    finite = torch.isfinite(big_m)
+    if not bool(finite.all()):
+        exps.masked_fill_(~finite[:, None], 0.0)
+    bins = scratch.get("kept", rows, cols, torch.float32).view(torch.int32)
+    bits = exps if dt == torch.float32 else bins.view(torch.float32).copy_(exps)
+    torch.bitwise_right_shift(bits.view(torch.int32), _TOP_P_SHIFT, out=bins)
+    index = scratch.get("samp_index", rows, cols, torch.int64).copy_(bins)
+    mass = to_fixed_point(exps, out=scratch.get("samp_mass", rows, cols, torch.int64))
+    full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.int64, device=dev).scatter_add_(1, index, mass)
+    with _one_thread(dev):
+        hist = full[:, _TOP_P_LOWEST:].contiguous()
+        hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        all_reduce_sum_(hist, group)
+        below = hist.cumsum(1)
+        at_or_above = below[:, -1:] - below + hist  # exact
+        target = top_p * at_or_above[:, 0].double()
+        crossing = ((at_or_above.double() >= target[:, None]).sum(1) - 1).clamp(min=0)
+        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)
+        cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
+    in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
+    r, col = in_bin.nonzero(as_tuple=True)
+    vals = y[r, col]
+    with _one_thread(dev):
+        cand = _candidates(vals, r, rows, group)
+        cand_mass = to_fixed_point(torch.exp(cand - big_m[:, None]))  # the padding's is 0
+        if keep_cut:
+            cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0)
+        cum = cand_mass.cumsum(1)
+        kept = ((above[:, None] + cum - cand_mass).double() < target[:, None]) & (cand_mass > 0)
+        n_kept = kept.sum(1)
+        t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+        all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & ((above + cum[:, -1]).double() < target)
+        active = (top_p < 1.0) & finite
+        miss = active & ((n_kept == 0) | all_kept_short)
+        if bool(miss.any()):
+            t = torch.where(miss, _dense_top_p(y, keep, big_m, top_p, miss, group, exact=True)[0], t)
+        return torch.where(active, t, -math.inf)
+
+
 def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.Tensor:
     """Flat values `vals` of rows `r` (non-decreasing, as ``nonzero`` gives them), gathered over `group`:
     ``[rows, C]`` descending per row, -inf padded."""
@@ -440,9 +513,10 @@ def _one_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_top_p(y, keep, big_m, top_p, rows_mask, group, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-p threshold and kept mass (as `_top_p_threshold`) of the rows in `rows_mask` by sorting
-    them whole (the rare fallback)."""
+    them whole (the rare fallback). `exact`: the masses in fixed point (`_top_p_threshold_exact`; the kept
+    mass returned is then meaningless)."""
     idx = rows_mask.nonzero(as_tuple=True)[0]
     FALLBACK_ROWS[0] += int(idx.numel())
     sub = y[idx]
@@ -454,8 +528,12 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor,
         dist.all_gather(parts, sub.contiguous(), group=group)
         sub = torch.cat(parts, dim=1)
     vals = sub.sort(dim=1, descending=True).values
-    mass = torch.exp(vals.double() - big_m[idx].double()[:, None])
-    mass = torch.where(vals >= keep[idx][:, None], mass, 0.0)
+    if exact:  # as the histogram's: exp in y's dtype, then fixed point
+        mass = to_fixed_point(torch.exp(vals - big_m[idx][:, None]))
+        mass = torch.where(vals >= keep[idx][:, None], mass, 0)
+    else:
+        mass = torch.exp(vals.double() - big_m[idx].double()[:, None])
+        mass = torch.where(vals >= keep[idx][:, None], mass, 0.0)
     z = mass.sum(1)
     excl = mass.cumsum(1) - mass
     n = vals.shape[1]
@@ -464,7 +542,7 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor,
     if n > 1:
         new_run[:, 1:] = vals[:, 1:] != vals[:, :-1]
     excl = excl.gather(1, torch.where(new_run, pos, 0).cummax(1).values)
-    kept = (excl < (top_p[idx] * z)[:, None]) & (mass > 0)
+    kept = (excl.double() < (top_p[idx] * z.double())[:, None]) & (mass > 0)
     t_rows = vals.gather(1, (kept.sum(1) - 1).clamp(min=0)[:, None]).squeeze(1)
     out = torch.full_like(big_m, -math.inf)
     out[idx] = t_rows

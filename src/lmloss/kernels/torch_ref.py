@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmloss.kernels import ChunkMath, ChunkScratch, compute_dtype
+from lmloss.kernels import INVARIANT_BLOCK, BlockPartials, ChunkMath, ChunkScratch, compute_dtype
 
 _FP32_MIN = torch.finfo(torch.float32).min
 
@@ -98,6 +98,53 @@ class TorchKernels:
             if keep_min is not None:
                 return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps)
             return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
+
+    def block_partials(
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
+        kept_exps=None, block: int = INVARIANT_BLOCK,
+    ) -> BlockPartials:  # fmt: skip
+        """The invariant mode's sums per block of `block` columns (`lmloss.kernels`): the row's passes of
+        `softmax_partials` (transform, max, shift, exp, sums) with each max and sum taken per block, and
+        `block_sums` reducing each block in the order its width fixes. `kept_exps` is not used (the
+        search's exps are relative to the row's max, not the blocks'); `x` is not modified."""
+        rows, n_valid = x.shape[0], math.valid
+        acc = compute_dtype(x.dtype)
+        target_out = torch.zeros(rows, dtype=acc, device=x.device)
+        n_blocks = -(-n_valid // block)
+        if n_valid == 0:
+            empty = torch.zeros((rows, 0), dtype=acc, device=x.device)
+            return BlockPartials(empty, empty, empty if entropy else None, empty if sum_logits else None, target_out)
+        xv = x[:, :n_valid]
+        kept = None if keep_min is None else xv >= keep_min[:, None]
+        y = self.scratch.get("y", rows, n_valid, acc)
+        if x.dtype == acc and math.scale == 1.0 and not math.softcap and kept is None:
+            y = xv  # read-only: shifted into scratch below
+        else:
+            transform_into(y, xv, math)
+            if kept is not None:
+                y.masked_fill_(~kept, float("-inf"))
+        if target:
+            idx, owned = local_targets(labels, math)
+            target_out = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
+        sum_y = None
+        if sum_logits:
+            sum_y = block_sums(y if kept is None else torch.where(kept, y, 0.0), block)
+        n_full = n_valid // block
+        m = torch.empty((rows, n_blocks), dtype=acc, device=x.device)
+        m[:, :n_full] = y[:, : n_full * block].unflatten(1, (n_full, block)).amax(-1)
+        if n_full < n_blocks:
+            m[:, n_full] = y[:, n_full * block :].amax(-1)
+        # a block with no kept column has m = -inf: shift it by 0 (its exps are exp(-inf) = 0, not NaN)
+        shift = torch.where(torch.isneginf(m), 0.0, m)
+        shifted = y if y is not xv else self.scratch.get("y", rows, n_valid, acc)
+        _sub_per_block(y, shift, block, out=shifted)
+        exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
+        s = block_sums(exps, block)
+        t = None
+        if entropy:
+            shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
+            t = block_sums(shifted.mul_(exps), block)
+        return BlockPartials(m, s, t, sum_y, target_out)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
@@ -318,6 +365,38 @@ class TorchKernels:
         inactive = (coef == 0).all(dim=1)
         if _needs_row_mask(inactive):
             work.masked_fill_(inactive[:, None], 0.0)
+
+
+def _sub_per_block(y: torch.Tensor, shift: torch.Tensor, block: int, *, out: torch.Tensor) -> torch.Tensor:
+    """``out = y - shift[block of the column]`` for ``[c, n]`` `y` and ``[c, ceil(n / block)]`` `shift`
+    (`out` may be `y`)."""
+    n = y.shape[1]
+    n_full = n // block
+    main = (slice(None), slice(0, n_full * block))
+    torch.sub(y[main].unflatten(1, (n_full, block)), shift[:, :n_full, None],
+              out=out[main].unflatten(1, (n_full, block)))  # fmt: skip
+    if n_full * block < n:
+        torch.sub(y[:, n_full * block :], shift[:, n_full:], out=out[:, n_full * block :])
+    return out
+
+
+def block_sums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of ``[c, n]`` over blocks of `block` columns -> ``[c, ceil(n / block)]``, each block reduced in the
+    order its width alone fixes: the whole blocks as one ``[c, n // block, block]`` reduction of the last dim
+    (PyTorch reduces each output from its contiguous inner run, on one thread, given enough outputs:
+    `serial_row_reductions`), a partial last block as a whole block with zeros in its missing columns. The
+    same block gives the same bits in any chunk, at any position, beside any other blocks."""
+    rows, n = t.shape
+    n_full = n // block
+    out = torch.empty((rows, -(-n // block)), dtype=t.dtype, device=t.device)
+    with serial_row_reductions(rows * n_full, t.device):
+        out[:, :n_full] = t[:, : n_full * block].unflatten(1, (n_full, block)).sum(-1)
+    if n_full < out.shape[1]:
+        tail = t.new_zeros((rows, block))
+        tail[:, : n - n_full * block] = t[:, n_full * block :]
+        with serial_row_reductions(rows, t.device):
+            out[:, n_full] = tail.sum(-1)
+    return out
 
 
 def local_targets(labels: torch.Tensor, math: ChunkMath) -> tuple[torch.Tensor, torch.Tensor]:
