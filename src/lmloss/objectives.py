@@ -35,7 +35,13 @@ import torch
 from lmloss.kernels import BlockPartials, compute_dtype, make_kernels
 from lmloss.kernels.torch_ref import transform_into
 from lmloss.sampling import keep_thresholds
-from lmloss.vocab_parallel import all_reduce_sum_, combine_blocks, combine_partials, world_size
+from lmloss.vocab_parallel import (
+    all_reduce_max_,
+    all_reduce_sum_,
+    combine_blocks,
+    combine_partials,
+    world_size,
+)
 
 OUTPUTS = ("logprobs", "entropy", "loss")
 #: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `SoftmaxObjective`)
@@ -183,8 +189,13 @@ class SoftmaxObjective:
         """The chunk's partials for the combine: per row (`lmloss.kernels`), or per block in invariant mode."""
         plan = self.plan
         if plan.invariant:
-            return kernels.block_partials(x, labels, plan.math, **plan.flags, **keep, block=plan.invariant_block)
+            return kernels.block_partials(x, labels, plan.math, **plan.flags, **keep, **exps, block=plan.invariant_block,
+                                          global_max=self._global_max, overwrite=overwrite)  # fmt: skip
         return kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps)
+
+    def _global_max(self, local_max: torch.Tensor) -> torch.Tensor:
+        """The invariant kernels' row max over the TP group (one MAX: exact in any order)."""
+        return all_reduce_max_(local_max, self.plan.tp_group)
 
     def _combine(self, partials):
         """Every rank's partials -> the global ones ``[c, 5]`` over the TP group (`lmloss.vocab_parallel`)."""
@@ -324,7 +335,8 @@ class SoftmaxObjective:
             source, full_kernels = state["full"]
             flags = dict(entropy=False, target=False, sum_logits=False)
             if plan.invariant:
-                full = full_kernels.block_partials(source(s, e), None, self.full_rows.math, **flags)
+                full = full_kernels.block_partials(source(s, e), None, self.full_rows.math, **flags,
+                                                   global_max=self._global_max)  # fmt: skip
                 both = self._combine(BlockPartials.cat([partials, full.cast(partials.s.dtype)]))
             else:
                 full = full_kernels.softmax_partials(source(s, e), None, self.full_rows.math, **flags)

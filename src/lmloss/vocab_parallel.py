@@ -78,6 +78,7 @@ INVARIANT_FRACTION_BITS = 38
 INVARIANT_LOW_BITS = 44
 #: The largest vocabulary (columns over all ranks) the invariant mode takes.
 INVARIANT_MAX_COLUMNS = 2**24
+_FP32_MIN = torch.finfo(torch.float32).min
 _NAN_SHIFT, _INF_SHIFT = 32, 26  # bit fields of the flags (counts below 2**25 each)
 
 
@@ -86,10 +87,16 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _fixed(v: torch.Tensor, shift: torch.Tensor, words: int) -> list[torch.Tensor]:
-    """Finite float64 ``[c, n]`` -> `words` int64 ``[c]``: the sums over n of ``round(v * 2**shift)`` (and of the
-    residual's next `INVARIANT_LOW_BITS` bits); `shift` ``[c, 1]`` int64."""
-    scaled = v * _pow2(shift)  # a power of two: exact
+def _fixed(v: torch.Tensor, shift: torch.Tensor | int, words: int) -> list[torch.Tensor]:
+    """Finite ``[c, n]`` -> `words` int64 ``[c]``: the sums over n of ``round(v * 2**shift)`` (and of the
+    residual's next `INVARIANT_LOW_BITS` bits); `shift` an int or ``[c, 1]`` int64 (float64 `v`).
+
+    An fp32 `v` with an int `shift` is truncated instead (one word): ``v * 2**38`` is exact in fp32 and an
+    integer already wherever ``v >= 2**-15``, and truncating the rest is as deterministic as rounding (an
+    error below ``2**-38`` per block)."""
+    if v.dtype == torch.float32 and isinstance(shift, int) and words == 1:
+        return [v.mul(2.0**shift).to(torch.int64).sum(1)]
+    scaled = v * (2.0**shift if isinstance(shift, int) else _pow2(shift))  # a power of two: exact
     hi = torch.round(scaled)
     out = [hi.to(torch.int64).sum(1)]
     if words == 2:  # the residual is exact (Sterbenz), |residual| <= 1/2
@@ -98,10 +105,13 @@ def _fixed(v: torch.Tensor, shift: torch.Tensor, words: int) -> list[torch.Tenso
     return out
 
 
-def _unfixed(ints: list[torch.Tensor], shift: torch.Tensor) -> torch.Tensor:
-    value = ints[0].double() * _pow2(-shift)
+def _unfixed(ints: list[torch.Tensor], shift: torch.Tensor | int) -> torch.Tensor:
+    def scale(k):
+        return 2.0**-k if isinstance(k, int) else _pow2(-k)
+
+    value = ints[0].double() * scale(shift)
     if len(ints) == 2:
-        value = value + ints[1].double() * _pow2(-shift - INVARIANT_LOW_BITS)
+        value = value + ints[1].double() * scale(shift + INVARIANT_LOW_BITS)
     return value
 
 
@@ -123,91 +133,82 @@ def to_fixed_point(values: torch.Tensor, out: torch.Tensor | None = None) -> tor
 
 
 def combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
-    """The invariant mode's `combine_partials`: each rank's per-block sums (`lmloss.kernels.BlockPartials`,
-    ``[c, n_blocks]``) -> the global partials ``[c, 5]`` (the layout `combine_partials` returns: ``M``,
-    ``sum exp(y - M)``, the entropy numerator, the target, ``sum y``), the same bits whatever the blocks' split
-    over chunks, shards and ranks.
+    """See `_combine_blocks`; its small ops on one CPU thread."""
+    from lmloss.kernels.torch_ref import one_thread
 
-    One MAX over `group` of the row max ``M`` (and, for ``sum y``, of the largest block sum's magnitude ``A``):
-    a max is exact in any order. Then every block is rescaled to ``M`` in float64 (``s_b exp(m_b - M)``, a
-    function of the block's own values and ``M``), rounded to fixed point (`INVARIANT_FRACTION_BITS`; ``sum y``
-    relative to ``A``'s binary exponent) and summed as int64 over the blocks and, in one SUM over `group`, over
-    the ranks: integer sums are exact, so no order matters. The target travels as its bits (one rank owns
-    it, the others send 0), and counts of non-finite blocks travel beside it, so that NaN and infinite rows
-    come out NaN / infinite as the default combine gives them. Collective bytes per row: the MAX's 4 (8 with
-    ``sum y``), then 8 per sum and 8 for target and flags (fp32; float64: twice the sums' words and a word
-    more).
-    """
+    with one_thread(blocks.s.device):
+        return _combine_blocks(blocks, group)
+
+
+def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
     m, s, t, sum_y = blocks.m, blocks.s, blocks.t, blocks.sum_y
     acc = s.dtype
     rows, n = s.shape
     words = 2 if acc == torch.float64 else 1
     dev = s.device
-    row_max = m.amax(1) if n else torch.full((rows,), float("-inf"), dtype=acc, device=dev)
-    maxes = [row_max]
-    if sum_y is not None:
-        finite_y = torch.isfinite(sum_y)
-        maxes.append(torch.where(finite_y, sum_y.abs(), 0.0).amax(1) if n else torch.zeros_like(row_max))
-    maxes = all_reduce_max_(torch.stack(maxes, dim=1), group)
-    big_m = maxes[:, 0].double()
-    m64, s64 = m.double(), s.double()
-    has = s64 > 0  # a block with no kept column (or NaN) adds nothing here
-    delta = torch.where(has, m64 - big_m[:, None], 0.0)
-    r = torch.where(has, torch.exp(delta), 0.0)
-    nan = torch.isnan(s64) | torch.isnan(m64)
-    base = torch.full((rows, 1), INVARIANT_FRACTION_BITS, dtype=torch.int64, device=dev)
-    sums = _fixed(torch.where(has, s64 * r, 0.0), base, words)
+    if n and sum_y is None:
+        maxes = m.amax(1, keepdim=True)
+    else:
+        maxes = torch.full((rows, 1 if sum_y is None else 2), float("-inf"), dtype=acc, device=dev)
+        if n:
+            torch.amax(m, 1, out=maxes[:, 0])
+            if sum_y is not None:
+                torch.amax(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0), 1, out=maxes[:, 1])
+    if not blocks.global_max or sum_y is not None:  # (a global max is the group's already)
+        all_reduce_max_(maxes, group)
+    big_m = maxes[:, 0]
+    # m_b - M in the blocks' dtype (float64 for float64 inputs); an empty block (m_b = -inf, s_b = 0) or a row
+    # without a finite M gets a finite stand-in whose exp is 0 and whose product with s_b = 0 is 0. A block
+    # with a NaN or +inf logit has s_b NaN: it is counted and its row made NaN
+    delta = (m - big_m.clamp(min=_FP32_MIN)[:, None]).clamp_(min=_FP32_MIN)
+    r = torch.exp(delta)
+    shift = INVARIANT_FRACTION_BITS
+    sums = _fixed(s * r, shift, words)
     if t is not None:
-        t64 = t.double()
-        nan |= torch.isnan(t64)
-        sums += _fixed(torch.where(has, r * (t64 + delta * s64), 0.0), base, words)
-    flags = torch.zeros(rows, dtype=torch.int64, device=dev)
+        sums += _fixed(r * (t + delta * s), shift, words)
+    nan_count = torch.isnan(s).sum(1)
+    flags = None
     if sum_y is not None:
         y64 = sum_y.double()
-        nan |= torch.isnan(y64)
+        nan_count += torch.isnan(y64).sum(1)
         # below 2**exponent; the blocks (at most INVARIANT_MAX_COLUMNS of them) then sum below 2**62
         exponent = torch.frexp(maxes[:, 1].double()).exponent.to(torch.int64)[:, None]
         y_shift = (62 - 24) - exponent
         sums += _fixed(torch.where(torch.isfinite(y64), y64, 0.0), y_shift, words)
-        flags += (y64 == float("inf")).sum(1) + ((y64 == float("-inf")).sum(1) << _INF_SHIFT)
-    nan_count = nan.sum(1)
-    target = blocks.target
+        flags = (y64 == float("inf")).sum(1) + ((y64 == float("-inf")).sum(1) << _INF_SHIFT)
     if acc == torch.float32:  # the target's 32 bits and the NaN count share a word (one rank owns the target)
-        bits = target.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        bits = blocks.target.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         packed = [bits + (nan_count << _NAN_SHIFT)]
     else:
-        packed = [target.double().contiguous().view(torch.int64), nan_count]
-    if sum_y is not None:
-        packed.append(flags)
-    words_out = torch.stack([*sums, *packed], dim=1)
-    all_reduce_sum_(words_out, group)
+        packed = [blocks.target.double().contiguous().view(torch.int64), nan_count]
+    words_out = all_reduce_sum_(torch.stack([*sums, *packed, *([] if flags is None else [flags])], dim=1), group)
     cols = list(words_out.unbind(1))
-    k = words
-    total_s = _unfixed(cols[:k], base[:, 0])
-    cols = cols[k:]
-    total_t = torch.zeros_like(total_s)
+    total_s, cols = _unfixed(cols[:words], shift), cols[words:]
+    total_t = None
     if t is not None:
-        total_t, cols = _unfixed(cols[:k], base[:, 0]), cols[k:]
-    total_y = torch.zeros_like(total_s)
+        total_t, cols = _unfixed(cols[:words], shift), cols[words:]
+    total_y = None
     if sum_y is not None:
-        total_y, cols = _unfixed(cols[:k], y_shift[:, 0]), cols[k:]
+        total_y, cols = _unfixed(cols[:words], y_shift[:, 0]), cols[words:]
     if acc == torch.float32:
         word = cols.pop(0)
         low = word & 0xFFFFFFFF
         low = torch.where(low >= 1 << 31, low - (1 << 32), low)  # the int32 the bits were
-        target_all = low.to(torch.int32).view(torch.float32).double()
-        nan_all = word >> _NAN_SHIFT
+        target = low.to(torch.int32).view(torch.float32)
+        nan_rows = (word >> _NAN_SHIFT) > 0
     else:
-        target_all, nan_all = cols.pop(0).view(torch.float64), cols.pop(0)
-    nan_rows = nan_all > 0
-    total_s = torch.where(nan_rows, float("nan"), total_s)
-    total_t = torch.where(nan_rows, float("nan"), total_t)
-    if sum_y is not None:
+        target, nan_rows = cols.pop(0).view(torch.float64), cols.pop(0) > 0
+    out = torch.zeros((rows, 5), dtype=acc, device=dev)
+    out[:, 0], out[:, 1], out[:, 3] = big_m, total_s, target
+    if total_t is not None:
+        out[:, 2] = total_t
+    if total_y is not None:
         flags_all = cols.pop(0)
         pos, neg = (flags_all & ((1 << _INF_SHIFT) - 1)) > 0, (flags_all >> _INF_SHIFT) > 0
         total_y = torch.where(pos, float("inf"), torch.where(neg, float("-inf"), total_y))
-        total_y = torch.where(nan_rows | (pos & neg), float("nan"), total_y)
-    return torch.stack([big_m, total_s, total_t, target_all, total_y], dim=1).to(acc)
+        out[:, 4] = torch.where(nan_rows | (pos & neg), float("nan"), total_y)
+    out[:, 1:3].masked_fill_(nan_rows[:, None], float("nan"))
+    return out
 
 
 class RankAgreementError(ValueError):

@@ -122,15 +122,17 @@ INVARIANT_BLOCK = 128
 @dataclasses.dataclass(frozen=True)
 class BlockPartials:
     """A chunk's sums per block of columns (invariant mode, see the module docstring), each ``[c, n_blocks]``
-    in the compute dtype: `m` block max of y (-inf: no kept valid column), `s` sum exp(y - m), `t` the
-    entropy numerator (None unless asked), `sum_y` (None unless asked); `target` ``[c]`` y at the label where
-    this shard owns it, else 0."""
+    in the compute dtype: `m` the shift of each block's sums (``[c, 1]``: one for every block), `s` sum
+    exp(y - m), `t` the entropy numerator (None unless asked), `sum_y` (None unless asked); `target` ``[c]``
+    y at the label where this shard owns it, else 0. `m` is the block's max of y (-inf: no kept valid
+    column), or with `global_max` the row's max over the whole vocabulary (every rank's), already agreed."""
 
     m: torch.Tensor
     s: torch.Tensor
     t: torch.Tensor | None
     sum_y: torch.Tensor | None
     target: torch.Tensor
+    global_max: bool = False
 
     @property
     def rows(self) -> int:
@@ -139,20 +141,21 @@ class BlockPartials:
     def padded(self, n_blocks: int) -> BlockPartials:
         """These blocks followed by empty ones (max -inf, sums 0) up to `n_blocks`, so that two sets of rows
         can share one combine."""
-        extra = n_blocks - self.m.shape[1]
+        extra = n_blocks - self.s.shape[1]
         if extra <= 0:
             return self
 
         def pad(t, value):
             return None if t is None else torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
 
-        return BlockPartials(pad(self.m, float("-inf")), pad(self.s, 0.0), pad(self.t, 0.0), pad(self.sum_y, 0.0),
-                             self.target)  # fmt: skip
+        m = self.m.expand(-1, self.s.shape[1])
+        return BlockPartials(pad(m, float("-inf")), pad(self.s, 0.0), pad(self.t, 0.0), pad(self.sum_y, 0.0),
+                             self.target, self.global_max)  # fmt: skip
 
     @staticmethod
     def cat(parts: list[BlockPartials]) -> BlockPartials:
         """The rows of `parts` one after another (blocks padded to the widest)."""
-        width = max(p.m.shape[1] for p in parts)
+        width = max(p.s.shape[1] for p in parts)
         parts = [p.padded(width) for p in parts]
 
         def cat(name):
@@ -161,19 +164,14 @@ class BlockPartials:
                 return None
             return torch.cat([torch.zeros_like(p.s) if v is None else v for p, v in zip(parts, values)])
 
-        return BlockPartials(cat("m"), cat("s"), cat("t"), cat("sum_y"), cat("target"))
+        m = torch.cat([p.m.expand(-1, width) for p in parts])
+        return BlockPartials(m, cat("s"), cat("t"), cat("sum_y"), cat("target"), all(p.global_max for p in parts))
 
     def cast(self, dtype: torch.dtype) -> BlockPartials:
         def to(t):
             return None if t is None else t.to(dtype)
 
-        return BlockPartials(to(self.m), to(self.s), to(self.t), to(self.sum_y), to(self.target))
-
-    def rows_slice(self, s: int, e: int) -> BlockPartials:
-        def part(t):
-            return None if t is None else t[s:e]
-
-        return BlockPartials(part(self.m), part(self.s), part(self.t), part(self.sum_y), part(self.target))
+        return BlockPartials(to(self.m), to(self.s), to(self.t), to(self.sum_y), to(self.target), self.global_max)
 
 
 @dataclasses.dataclass(frozen=True)

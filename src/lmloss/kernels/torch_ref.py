@@ -42,6 +42,21 @@ def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run a block of small ops (``[c]``, ``[c, blocks]``) on one CPU thread: on a busy machine each parallel
+    op waits for its pool's threads to be scheduled, milliseconds per op, far more than their work."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def transform_into(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -101,50 +116,73 @@ class TorchKernels:
 
     def block_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
-        kept_exps=None, block: int = INVARIANT_BLOCK,
+        kept_exps=None, block: int = INVARIANT_BLOCK, global_max=None, overwrite: bool = False,
     ) -> BlockPartials:  # fmt: skip
-        """The invariant mode's sums per block of `block` columns (`lmloss.kernels`): the row's passes of
-        `softmax_partials` (transform, max, shift, exp, sums) with each max and sum taken per block, and
-        `block_sums` reducing each block in the order its width fixes. `kept_exps` is not used (the
-        search's exps are relative to the row's max, not the blocks'); `x` is not modified."""
+        """The invariant mode's sums per block of `block` columns (`lmloss.kernels`), in `softmax_partials`'
+        passes (transform, max, shift, exp, sums) with each sum taken per block (`block_sums`: an order fixed
+        by the block's width). `global_max` (``local row max [c] -> the group's``, one MAX over the TP
+        group): the exps are shifted by the row's global max, exact in any order, and the partials say so
+        (`BlockPartials.global_max`); None: by each block's own max. With it, the threshold search's
+        `kept_exps` (shifted by that same max) are reused. `x` is modified only with `overwrite` (the caller's
+        scratch: an fp32 chunk is then worked on in place)."""
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         target_out = torch.zeros(rows, dtype=acc, device=x.device)
-        n_blocks = -(-n_valid // block)
         if n_valid == 0:
             empty = torch.zeros((rows, 0), dtype=acc, device=x.device)
-            return BlockPartials(empty, empty, empty if entropy else None, empty if sum_logits else None, target_out)
+            m = torch.full((rows, 1), float("-inf"), dtype=acc, device=x.device)
+            if global_max is not None:
+                global_max(m[:, 0])
+            return BlockPartials(m, empty, empty if entropy else None, empty if sum_logits else None, target_out,
+                                 global_max is not None)  # fmt: skip
         xv = x[:, :n_valid]
         kept = None if keep_min is None else xv >= keep_min[:, None]
-        y = self.scratch.get("y", rows, n_valid, acc)
-        if x.dtype == acc and math.scale == 1.0 and not math.softcap and kept is None:
+        identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
+        scratch_y = self.scratch.get("y", rows, n_valid, acc)
+        if identity and kept is None:
             y = xv  # read-only: shifted into scratch below
+        elif identity:
+            y = scratch_y.copy_(xv)
+        elif getattr(self, "_scaled_of", None) is x:
+            y = scratch_y  # the threshold search's `scaled` left them there
         else:
-            transform_into(y, xv, math)
-            if kept is not None:
-                y.masked_fill_(~kept, float("-inf"))
+            y = transform_into(scratch_y, xv, math)
+        self._scaled_of = None
+        if kept is not None:
+            y.masked_fill_(~kept, float("-inf"))
         if target:
             idx, owned = local_targets(labels, math)
             target_out = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
         sum_y = None
         if sum_logits:
             sum_y = block_sums(y if kept is None else torch.where(kept, y, 0.0), block)
-        n_full = n_valid // block
-        m = torch.empty((rows, n_blocks), dtype=acc, device=x.device)
-        m[:, :n_full] = y[:, : n_full * block].unflatten(1, (n_full, block)).amax(-1)
-        if n_full < n_blocks:
-            m[:, n_full] = y[:, n_full * block :].amax(-1)
-        # a block with no kept column has m = -inf: shift it by 0 (its exps are exp(-inf) = 0, not NaN)
-        shift = torch.where(torch.isneginf(m), 0.0, m)
-        shifted = y if y is not xv else self.scratch.get("y", rows, n_valid, acc)
-        _sub_per_block(y, shift, block, out=shifted)
-        exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
+        if global_max is None:
+            m = _block_max(y, block)
+            shift = m.clamp(min=_FP32_MIN)  # a block with no kept column (-inf): a finite stand-in, exps 0
+        else:
+            exps = None
+            if kept_exps is not None:  # exp(y - M) of every column (M: the group's row max): keep the kept ones
+                exps, big_m, _ = kept_exps
+                exps.masked_fill_(~kept, 0.0)
+            else:
+                big_m = global_max(y.amax(-1))
+            m = big_m[:, None]
+            shift = m.clamp(min=_FP32_MIN)
+            if exps is not None and not entropy:
+                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True)
+        shifted = y if y is not xv or (overwrite and kept is None) else scratch_y
+        if shift.shape[1] == 1:
+            torch.sub(y, shift, out=shifted)
+        else:
+            _sub_per_block(y, shift, block, out=shifted)
+        if not entropy:
+            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, global_max is not None)
+        if global_max is None or kept_exps is None:
+            exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
         s = block_sums(exps, block)
-        t = None
-        if entropy:
-            shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
-            t = block_sums(shifted.mul_(exps), block)
-        return BlockPartials(m, s, t, sum_y, target_out)
+        shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
+        t = block_sums(shifted.mul_(exps), block)
+        return BlockPartials(m, s, t, sum_y, target_out, global_max is not None)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
@@ -367,6 +405,18 @@ class TorchKernels:
             work.masked_fill_(inactive[:, None], 0.0)
 
 
+def _block_max(y: torch.Tensor, block: int) -> torch.Tensor:
+    """Max of ``[c, n]`` over blocks of `block` columns -> ``[c, ceil(n / block)]`` (exact in any order)."""
+    rows, n = y.shape
+    n_full = n // block
+    if n_full * block == n:
+        return y.unflatten(1, (n_full, block)).amax(-1)
+    m = torch.empty((rows, n_full + 1), dtype=y.dtype, device=y.device)
+    torch.amax(y[:, : n_full * block].unflatten(1, (n_full, block)), -1, out=m[:, :n_full])
+    torch.amax(y[:, n_full * block :], -1, out=m[:, n_full])
+    return m
+
+
 def _sub_per_block(y: torch.Tensor, shift: torch.Tensor, block: int, *, out: torch.Tensor) -> torch.Tensor:
     """``out = y - shift[block of the column]`` for ``[c, n]`` `y` and ``[c, ceil(n / block)]`` `shift`
     (`out` may be `y`)."""
@@ -388,9 +438,12 @@ def block_sums(t: torch.Tensor, block: int) -> torch.Tensor:
     same block gives the same bits in any chunk, at any position, beside any other blocks."""
     rows, n = t.shape
     n_full = n // block
+    if n_full * block == n:
+        with serial_row_reductions(rows * n_full, t.device):
+            return t.unflatten(1, (n_full, block)).sum(-1)
     out = torch.empty((rows, -(-n // block)), dtype=t.dtype, device=t.device)
     with serial_row_reductions(rows * n_full, t.device):
-        out[:, :n_full] = t[:, : n_full * block].unflatten(1, (n_full, block)).sum(-1)
+        torch.sum(t[:, : n_full * block].unflatten(1, (n_full, block)), -1, out=out[:, :n_full])
     if n_full < out.shape[1]:
         tail = t.new_zeros((rows, block))
         tail[:, : n - n_full * block] = t[:, n_full * block :]

@@ -871,16 +871,19 @@ class TritonKernels:
         )
 
     def block_partials(
-        self, x, labels, math, *, entropy, target, sum_logits, keep_min=None, kept_exps=None, block=INVARIANT_BLOCK
-    ):
-        """The invariant mode's block sums (`block_partials`). `block` 1 (a replayed support's slots, already
-        transformed: one value per block, nothing to reduce) runs the PyTorch reference's."""
+        self, x, labels, math, *, entropy, target, sum_logits, keep_min=None, kept_exps=None, block=INVARIANT_BLOCK,
+        global_max=None, overwrite=False,
+    ):  # fmt: skip
+        """The invariant mode's block sums (`block_partials`): each block shifted by its own max, in the one
+        pass over the chunk (`global_max` and `kept_exps` are not used). `block` 1 (a replayed support's
+        slots, already transformed: one value per block, nothing to reduce) runs the PyTorch reference's."""
         if block != INVARIANT_BLOCK:
             from lmloss.kernels.torch_ref import TorchKernels
 
             return TorchKernels(x.shape[0], x.shape[1], x.device).block_partials(
-                x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, block=block
-            )
+                x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, block=block,
+                global_max=global_max,
+            )  # fmt: skip
         return block_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min)
 
     def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
