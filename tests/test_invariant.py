@@ -201,7 +201,7 @@ def test_a_replayed_support_gives_the_same_bits_for_every_split(impl):
 
 # ---------------------------------------------------------------------------------------------------- fused
 
-VF = 1500  # more columns than a GEMM tile's 1024: the tiles overlap; a partial block of 128 at the end
+VF = 1500  # fewer columns than a CPU GEMM tile (zero-padded); a partial block of 128 at the end
 
 
 def _head(dtype, seed=7, n=N, v=VF):
@@ -238,6 +238,21 @@ def test_fused_logprobs_entropy_and_losses_are_the_same_bits_for_every_split(dty
     torch.testing.assert_close(lp.double(), ref_lp, **tol)
     torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), **tol)
     torch.testing.assert_close(ce.double(), torch.where(valid, -0.95 * ref_lp - 0.05 * logp.mean(-1), 0.0), **tol)
+
+
+def test_fused_tiles_that_overlap_at_the_ends_give_the_same_bits_for_every_split(monkeypatch):
+    """GEMM tiles narrower than the vocabulary (the last one overlapping the one before), as the production
+    tile meets a real vocabulary: `tiled_linear` with a tile of 128 x 512 over 1500 columns."""
+    monkeypatch.setitem(lmloss.chunks.INVARIANT_GEMM_TILE, "cpu", (128, 512))
+    hidden, weight, bias, labels = _head(torch.float32, seed=14)
+
+    def per_token(hidden, labels, chunk_size):
+        return lmloss.linear_token_logprobs(hidden, weight, labels, bias=bias, chunk_size=chunk_size, invariant=True)
+
+    (lp,) = assert_invariant(per_token, (hidden, labels), [1, 200, None])
+    logp = torch.addmm(bias.double(), hidden.double(), weight.double().T).log_softmax(-1)
+    ref = torch.where(labels != -100, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=2e-5)
 
 
 def test_fused_under_top_p_and_a_replayed_support_gives_the_same_bits_for_every_split():
@@ -331,3 +346,17 @@ def test_the_fixed_point_combine_is_exact_in_any_order():
     r = torch.where(s > 0, torch.exp(m.double() - big_m), 0.0)
     torch.testing.assert_close(whole[:, 1].double(), (s * r).sum(1), rtol=1e-6, atol=0)
     torch.testing.assert_close(whole[:, 4].double(), y.double().sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_the_docs_example_prints_what_the_page_shows():
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "invariant.md").read_text()
+    code, shown = re.search(r"```python\n(.*?)```\n```\n(.*?)```", text, flags=re.S).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/invariant.md", "exec"), {})
+    assert out.getvalue() == shown

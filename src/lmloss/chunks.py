@@ -70,9 +70,10 @@ def auto_chunk_size(
 #: The invariant mode's GEMM tile per device type, ``(rows, weight rows)``: every logit of a fused op is made by
 #: a GEMM of exactly ``[rows, H] @ [H, weight rows]`` (`tiled_linear`), whatever the chunk, the batch or the
 #: shard, so that the matmul library picks the same kernel for it every time. On this CPU library (oneDNN /
-#: MKL) a GEMM of fewer than 64 rows takes another kernel and rounds differently; 128 x 1024 tiles cost what
-#: one GEMM over the chunk costs (measured at 256 x 256 x 32000 fp32).
-INVARIANT_GEMM_TILE = {"cpu": (128, 1024), "cuda": (256, 8192)}
+#: MKL) a GEMM of fewer than 64 rows takes another kernel and rounds differently; tiles of 128 rows cost
+#: what one GEMM over the chunk costs (measured at 256 x 256 x 32000 fp32), 4096 columns keep the calls few.
+#: The CUDA tile is a first guess, not measured (docs/invariant.md).
+INVARIANT_GEMM_TILE = {"cpu": (128, 4096), "cuda": (256, 8192)}
 
 
 def invariant_gemm_tile(device: torch.device | str) -> tuple[int, int]:

@@ -122,7 +122,7 @@ def prepare(
     (default `TORCH_BYTES_PER_LOGIT`), for ops holding more; `checks`: the op's own local checks, run
     before the rank agreement (``checks(expected_leading_shape)``); `options`: `make_plan`'s.
     `invariant`: the plan's invariant mode, and the head's logits made by `lmloss.chunks.tiled_linear` (chunks
-    of a whole number of its tiles' rows: `chunk_size` is rounded up to one).
+    of a whole number of its tiles' rows: `chunk_size` is rounded down to one, or up to one tile).
     """
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
@@ -153,7 +153,7 @@ def prepare(
     )  # fmt: skip
     if invariant and plan.chunk_size is not None:  # whole tiles per chunk (agreed values: the same on every rank)
         rows = invariant_gemm_tile(weight.device)[0]
-        plan = dataclasses.replace(plan, chunk_size=-(-plan.chunk_size // rows) * rows)
+        plan = dataclasses.replace(plan, chunk_size=max(rows, plan.chunk_size - plan.chunk_size % rows))
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:
         flat = GatherRows.apply(flat, tp_group)

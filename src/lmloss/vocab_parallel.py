@@ -133,7 +133,23 @@ def to_fixed_point(values: torch.Tensor, out: torch.Tensor | None = None) -> tor
 
 
 def combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
-    """See `_combine_blocks`; its small ops on one CPU thread."""
+    """The invariant mode's `combine_partials`: each rank's per-block sums (`lmloss.kernels.BlockPartials`,
+    ``[c, n_blocks]``) -> the global partials ``[c, 5]`` (the layout `combine_partials` returns: ``M``,
+    ``sum exp(y - M)``, the entropy numerator, the target, ``sum y``), the same bits whatever the blocks' split
+    over chunks, shards and ranks.
+
+    The row max ``M`` is one MAX over `group` (exact in any order; made by the kernels already where they
+    shifted every block by it, `BlockPartials.global_max`), and, for ``sum y``, the largest block sum's
+    magnitude ``A`` too. Every block is rescaled to ``M`` (``s_b exp(m_b - M)``: a function of the block's
+    own values and ``M``), put in fixed point (`INVARIANT_FRACTION_BITS`; ``sum y`` relative to ``A``'s binary
+    exponent) and summed as int64 over the blocks and, in one SUM over `group`, over the ranks: integer sums
+    are exact, so no order matters. The target travels as its bits (one rank owns it, the others send 0),
+    and counts of non-finite blocks beside it, so that a row with a NaN or an infinite logit comes out NaN /
+    infinite as the default combine gives it. Collective bytes per row (fp32): 4 for ``M``, 4 for ``A``
+    (with ``sum y``), 8 per sum (``s``, with entropy ``t``, with label smoothing ``sum y``), 8 for the target
+    and the NaN count, 8 for the infinities of ``sum y``; float64: two words per sum, target and count
+    apart. The small ``[c, n_blocks]`` ops run on one CPU thread.
+    """
     from lmloss.kernels.torch_ref import one_thread
 
     with one_thread(blocks.s.device):
@@ -154,8 +170,10 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
             torch.amax(m, 1, out=maxes[:, 0])
             if sum_y is not None:
                 torch.amax(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0), 1, out=maxes[:, 1])
-    if not blocks.global_max or sum_y is not None:  # (a global max is the group's already)
+    if not blocks.global_max:
         all_reduce_max_(maxes, group)
+    elif sum_y is not None:  # the row max is the group's already: only A
+        maxes[:, 1] = all_reduce_max_(maxes[:, 1].contiguous(), group)
     big_m = maxes[:, 0]
     # m_b - M in the blocks' dtype (float64 for float64 inputs); an empty block (m_b = -inf, s_b = 0) or a row
     # without a finite M gets a finite stand-in whose exp is 0 and whose product with s_b = 0 is 0. A block

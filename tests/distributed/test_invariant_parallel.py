@@ -23,6 +23,9 @@ from lmloss import sampling
 WORLD = 4
 N, H, COLS, VOCAB, T = 96, 16, 1024, 1000, 0.8
 TRITON = lmloss.kernels.triton_available()
+#: The fused heads' GEMM tile here: narrower than one process's 1024 columns and TP=2's 512 (tiles overlapping
+#: at the end), wider than TP=4's 256 (zero-padded), as the CPU's 128 x 4096 meets real vocabularies.
+GEMM_TILE = (128, 384)
 
 
 def _data():
@@ -49,6 +52,7 @@ def _cols(t, rank, tp):
 
 def _cases(d, rank, tp, group, chunk):
     """Every case's per-token outputs for this rank (TP degree `tp`, `group`; tp 1: the whole vocabulary)."""
+    lmloss.chunks.INVARIANT_GEMM_TILE["cpu"] = GEMM_TILE
     out = {}
     common = dict(vocab_size=VOCAB, tp_group=group, invariant=True, chunk_size=chunk)
     x = _cols(d["logits"], rank, tp)
@@ -100,9 +104,13 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def one_process():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", sampling.KeptSetWarning)
-        return _cases(_data(), 0, 1, None, 7)
+    tile = lmloss.chunks.INVARIANT_GEMM_TILE["cpu"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sampling.KeptSetWarning)
+            return _cases(_data(), 0, 1, None, 7)
+    finally:
+        lmloss.chunks.INVARIANT_GEMM_TILE["cpu"] = tile
 
 
 def _same(got, expected, what):
