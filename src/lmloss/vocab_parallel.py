@@ -140,7 +140,7 @@ def combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
 
     The row max ``M`` is one MAX over `group` (exact in any order; made by the kernels already where they
     shifted every block by it, `BlockPartials.global_max`), and, for ``sum y``, the largest block sum's
-    magnitude ``A`` too. Every block is rescaled to ``M`` (``s_b exp(m_b - M)``: a function of the block's
+    magnitude ``A`` in the same MAX (`BlockPartials.y_scale`). Every block is rescaled to ``M`` (``s_b exp(m_b - M)``: a function of the block's
     own values and ``M``), put in fixed point (`INVARIANT_FRACTION_BITS`; ``sum y`` relative to ``A``'s binary
     exponent) and summed as int64 over the blocks and, in one SUM over `group`, over the ranks: integer sums
     are exact, so no order matters. The target travels as its bits (one rank owns it, the others send 0),
@@ -162,18 +162,21 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
     rows, n = s.shape
     words = 2 if acc == torch.float64 else 1
     dev = s.device
-    if n and sum_y is None:
+    if m.shape[1] and sum_y is None:  # (a shard of padding only has no block, but a global max has its column)
         maxes = m.amax(1, keepdim=True)
     else:
         maxes = torch.full((rows, 1 if sum_y is None else 2), float("-inf"), dtype=acc, device=dev)
-        if n:
+        if m.shape[1]:
             torch.amax(m, 1, out=maxes[:, 0])
-            if sum_y is not None:
+        if sum_y is not None:
+            maxes[:, 1] = 0.0
+            if n:
                 torch.amax(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0), 1, out=maxes[:, 1])
     if not blocks.global_max:
         all_reduce_max_(maxes, group)
-    elif sum_y is not None:  # the row max is the group's already: only A
-        maxes[:, 1] = all_reduce_max_(maxes[:, 1].contiguous(), group)
+    elif sum_y is not None:  # the row max is the group's already, and A too where the kernels made it
+        a = blocks.y_scale if blocks.y_scale is not None else all_reduce_max_(maxes[:, 1].contiguous(), group)
+        maxes[:, 1] = a
     big_m = maxes[:, 0]
     # m_b - M in the blocks' dtype (float64 for float64 inputs); an empty block (m_b = -inf, s_b = 0) or a row
     # without a finite M gets a finite stand-in whose exp is 0 and whose product with s_b = 0 is 0. A block

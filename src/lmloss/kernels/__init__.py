@@ -125,7 +125,8 @@ class BlockPartials:
     in the compute dtype: `m` the shift of each block's sums (``[c, 1]``: one for every block), `s` sum
     exp(y - m), `t` the entropy numerator (None unless asked), `sum_y` (None unless asked); `target` ``[c]``
     y at the label where this shard owns it, else 0. `m` is the block's max of y (-inf: no kept valid
-    column), or with `global_max` the row's max over the whole vocabulary (every rank's), already agreed."""
+    column), or with `global_max` the row's max over the whole vocabulary (every rank's), already agreed;
+    then `y_scale` ``[c]`` (with `sum_y`) is the largest finite ``|sum_y|`` block's over every rank too."""
 
     m: torch.Tensor
     s: torch.Tensor
@@ -133,6 +134,7 @@ class BlockPartials:
     sum_y: torch.Tensor | None
     target: torch.Tensor
     global_max: bool = False
+    y_scale: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

@@ -123,18 +123,26 @@ class TorchKernels:
         by the block's width). `global_max` (``local row max [c] -> the group's``, one MAX over the TP
         group): the exps are shifted by the row's global max, exact in any order, and the partials say so
         (`BlockPartials.global_max`); None: by each block's own max. With it, the threshold search's
-        `kept_exps` (shifted by that same max) are reused. `x` is modified only with `overwrite` (the caller's
+        `kept_exps` (shifted by that same max) are reused; with `sum_logits` the same MAX carries the largest
+        block sum's magnitude (`BlockPartials.y_scale`). `x` is modified only with `overwrite` (the caller's
         scratch: an fp32 chunk is then worked on in place)."""
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         target_out = torch.zeros(rows, dtype=acc, device=x.device)
-        if n_valid == 0:
+        if n_valid == 0:  # a shard of padding only (TP): no block, and the MAX the other ranks make
             empty = torch.zeros((rows, 0), dtype=acc, device=x.device)
             m = torch.full((rows, 1), float("-inf"), dtype=acc, device=x.device)
+            y_scale = None
             if global_max is not None:
-                global_max(m[:, 0])
+                if kept_exps is not None:
+                    m = kept_exps[1][:, None]
+                maxes = ([] if kept_exps is not None else [m[:, 0]]) + ([target_out] if sum_logits else [])
+                if maxes:
+                    agreed = global_max(torch.stack(maxes, dim=1))
+                    m = m if kept_exps is not None else agreed[:, :1]
+                    y_scale = agreed[:, -1] if sum_logits else None
             return BlockPartials(m, empty, empty if entropy else None, empty if sum_logits else None, target_out,
-                                 global_max is not None)  # fmt: skip
+                                 global_max is not None, y_scale)  # fmt: skip
         xv = x[:, :n_valid]
         kept = None if keep_min is None else xv >= keep_min[:, None]
         identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
@@ -153,36 +161,44 @@ class TorchKernels:
         if target:
             idx, owned = local_targets(labels, math)
             target_out = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
-        sum_y = None
+        sum_y = y_scale = None
         if sum_logits:
             sum_y = block_sums(y if kept is None else torch.where(kept, y, 0.0), block)
         if global_max is None:
             m = _block_max(y, block)
             shift = m.clamp(min=_FP32_MIN)  # a block with no kept column (-inf): a finite stand-in, exps 0
         else:
+            # the row max (and, for sum y, the largest block sum's magnitude) over the group, in one MAX
+            maxes = [] if kept_exps is not None else [y.amax(-1)]
+            if sum_y is not None:
+                maxes.append(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0).amax(-1))
+            maxes = global_max(torch.stack(maxes, dim=1)) if maxes else None
+            if sum_y is not None:
+                y_scale = maxes[:, -1]
             exps = None
             if kept_exps is not None:  # exp(y - M) of every column (M: the group's row max): keep the kept ones
                 exps, big_m, _ = kept_exps
                 exps.masked_fill_(~kept, 0.0)
             else:
-                big_m = global_max(y.amax(-1))
+                big_m = maxes[:, 0]
             m = big_m[:, None]
             shift = m.clamp(min=_FP32_MIN)
             if exps is not None and not entropy:
-                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True)
+                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True, y_scale)
         shifted = y if y is not xv or (overwrite and kept is None) else scratch_y
         if shift.shape[1] == 1:
             torch.sub(y, shift, out=shifted)
         else:
             _sub_per_block(y, shift, block, out=shifted)
+        agreed = global_max is not None
         if not entropy:
-            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, global_max is not None)
+            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, agreed, y_scale)
         if global_max is None or kept_exps is None:
             exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
         s = block_sums(exps, block)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
         t = block_sums(shifted.mul_(exps), block)
-        return BlockPartials(m, s, t, sum_y, target_out, global_max is not None)
+        return BlockPartials(m, s, t, sum_y, target_out, agreed, y_scale)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
