@@ -90,19 +90,24 @@ thresholds are found on PyTorch's rounding of ``y``; with softcap the Triton tan
 the plan runs sampling ops with softcap on ``impl="torch"``.
 
 **Invariant mode** (``invariant=True`` of the ops, docs/invariant.md): instead of `softmax_partials`, the
-objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, keep_min=None) ->
-BlockPartials``: the same sums taken over fixed blocks of `INVARIANT_BLOCK` columns (local columns
-``[b B, (b + 1) B)``; the plan checks that every shard starts at a multiple of B, so local block b is
-global block ``vocab_start / B + b``). Per block, over its kept valid columns: ``m_b`` the block's max of
-y (-inf when it has none), ``s_b = sum exp(y - m_b)``, ``t_b = sum exp(y - m_b) (y - m_b)`` (if entropy),
-``sum y`` (if sum_logits), and per row the target as in `softmax_partials` (``[c]``). A block's sums are
+objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, keep_min=None,
+kept_exps=None, block=INVARIANT_BLOCK, global_max=None, overwrite=False) -> BlockPartials``: the same sums
+taken over fixed blocks of `INVARIANT_BLOCK` columns (local columns ``[b B, (b + 1) B)``; the plan checks
+that every shard starts at a multiple of B, so local block b is global block ``vocab_start / B + b``). Per
+block, over its kept valid columns: ``s_b = sum exp(y - m_b)``, ``t_b = sum exp(y - m_b) (y - m_b)`` (if
+entropy), ``sum y`` (if sum_logits), and per row the target as in `softmax_partials` (``[c]``), where the
+shift ``m_b`` is the block's own max of y (-inf when it has none), or, when the implementation calls
+``global_max(values [c, k]) -> [c, k]`` (one MAX over the TP group; with sum_logits its last column is the
+largest finite ``|sum y|`` block's magnitude), the row's global max for every block. A block's sums are
 reduced in an order fixed by B alone: the same bits for that block whatever the chunk's rows, the shard
 width or the block's position in the shard; the last block of the vocabulary may be partial (its missing
 columns take no part, in the same fixed positions). `lmloss.vocab_parallel.combine_blocks` then combines
-the blocks exactly (fixed point, integer sums: no order at all). Both implementations; the Triton kernel
-ignores ``kept_exps`` here as it does in `softmax_partials`. The gradient contract is unchanged: `softmax_grad_`
-is elementwise given the row's lse and coefficients, so it needs no invariant variant (the PyTorch
-``partials_then_grad_`` reuse of the forward's exps is not used in this mode).
+the blocks exactly (fixed point, integer sums: no order at all). Both implementations: the PyTorch one
+shifts by the global max (and reuses `kept_exps`, which are shifted by it), the Triton one by each block's
+max in its one pass. `block` 1 (a replayed support's slots, which the ranks hold scattered) makes every
+slot its own block. The gradient contract is unchanged: `softmax_grad_` is elementwise given the row's lse
+and coefficients, so it needs no invariant variant (the PyTorch ``partials_then_grad_`` reuse of the
+forward's exps is not used in this mode).
 """
 
 from __future__ import annotations
