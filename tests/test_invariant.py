@@ -297,6 +297,35 @@ def test_fused_gradients_are_deterministic_for_a_fixed_split():
     torch.testing.assert_close(gw1.double(), w.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_summed_losses_take_their_gradient_in_the_forward_from_the_invariant_statistics():
+    """The summed paths (the gradient made while each chunk is at hand): in place over the logits, and the
+    fused head's accumulators; loss and gradients against float64."""
+    x, labels = _logits(torch.float32, seed=15, n=64)
+    base = x.clone().requires_grad_()
+    logits = base * 1.0  # a non-leaf, as an lm_head's output
+    loss = lmloss.cross_entropy(logits, labels, chunk_size=7, label_smoothing=0.1, inplace_backward=True,
+                                invariant=True)  # fmt: skip
+    loss.backward()
+    z = x.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(z, labels, label_smoothing=0.1)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(base.grad.double(), z.grad, rtol=1e-5, atol=1e-7)
+
+    hidden, weight, bias, hl = _head(torch.float32, seed=16, n=64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = lmloss.linear_cross_entropy(h, w, hl, bias=bias, chunk_size=7, z_loss=1e-3, invariant=True)
+    loss.backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = torch.addmm(bias.double(), h64, w64.T)
+    valid = hl != -100
+    ref = (torch.nn.functional.cross_entropy(z, hl, reduction="none") + 1e-3 * z.logsumexp(-1) ** 2)[valid].mean()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_the_first_ppo_ratio_is_exactly_one_whatever_the_split():
     """The RL motivation: old log-probs from the invariant op on a row-by-row split; the fused policy loss on
     the whole batch in other chunks sees every ratio exactly 1 (and, without invariant=True, the same
