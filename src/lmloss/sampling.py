@@ -50,6 +50,7 @@ import torch.distributed as dist
 from lmloss.kernels import INVARIANT_BLOCK
 from lmloss.kernels.torch_ref import block_sums
 from lmloss.vocab_parallel import (
+    INVARIANT_FRACTION_BITS,
     ProcessGroup,
     all_reduce_max_,
     all_reduce_sum_,
@@ -279,12 +280,17 @@ def keep_thresholds(
         top_p = _per_row(params["top_p"], rows, dev, torch.float64)
         if bool((top_p < 1.0).any()):
             if invariant:
-                t = _top_p_threshold_exact(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+                t, mass = _top_p_threshold_exact(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
             else:
                 t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
             keep = torch.maximum(keep, t)
-            # under TP the mass is the group's, not this shard's: the kernels sum their own
-            if not invariant and world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
+            if invariant and bool(torch.isfinite(big_m).all()):
+                # the group's kept mass, found exactly: the first rank's share is all of it (the kernels' exact
+                # SUM adds the others' zeros)
+                first = world_size(group) == 1 or dist.get_rank(group) == 0
+                kept_mass = mass.to(dt) if first else torch.zeros_like(big_m)
+            # under TP the default's mass is the group's, not this shard's: the kernels sum their own
+            elif world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
                 kept_mass = mass.to(dt)
     return ChunkThresholds(
         keep_min=_on_logits(x, y, keep, group, scratch), row_max=big_m, exps=exps, full_lse=full_lse,
@@ -424,14 +430,22 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
         return torch.where(active, t, -math.inf), kept_mass
 
 
-def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> torch.Tensor:
-    """`_top_p_threshold` in the invariant mode: the same histogram, crossing bin and candidates, with every
-    mass a fixed-point integer (`to_fixed_point` of each token's ``exp(y - M)``): the bins, their group sum,
-    the masses above and at or above each bin and the candidates' running masses are exact integer sums, the
-    same whatever the chunk and the shards. The candidates' masses are recomputed from their values by the
-    same elementwise ops as the histogram's, so the two agree on every token and the crossing always lies
-    among the candidates (the dense fallback stays for rows that still miss, e.g. a bin of masses below
-    ``2**-38``). Returns the threshold (-inf where top_p == 1)."""
+#: Rows per `scatter_add` of the invariant top-p's float64 histogram (a ``[rows, V]`` float64 copy of the exps).
+_EXACT_SLICE_ROWS = 64
+
+
+def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_top_p_threshold` in the invariant mode: the same bins, crossing and candidates, with every mass
+    summed exactly, so that they are the same whatever the chunk and the shards.
+
+    fp32 exps: a bin's tokens share one binary exponent (the bin is read off the exponent and leading
+    mantissa bits), so their float64 sum is exact in any order, and so is the SUM of the ranks' bins; the
+    tokens below ``2**-64`` times the top one (their own exponents: the default lumps them into bin 0) are
+    left out. The candidates are the crossing bin's tokens, their masses the same float64 values, summed
+    exactly too. float64 exps: each token's mass as a fixed-point integer (`to_fixed_point`), summed as
+    int64. The float sums above the bins (the mass at or above each) run in the bins' fixed order. Returns the
+    threshold (-inf where top_p == 1) and the kept set's mass (float64, the group's; the bins' total where
+    top_p == 1), both functions of the group's bins and candidates alone."""
     rows, cols = y.shape
     dt, dev = y.dtype, y.device
     nb = TOP_P_BINS
@@ -445,14 +459,29 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> to
     bits = exps if dt == torch.float32 else bins.view(torch.float32).copy_(exps)
     torch.bitwise_right_shift(bits.view(torch.int32), _TOP_P_SHIFT, out=bins)
     index = scratch.get("samp_index", rows, cols, torch.int64).copy_(bins)
-    mass = to_fixed_point(exps, out=scratch.get("samp_mass", rows, cols, torch.int64))
-    full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.int64, device=dev).scatter_add_(1, index, mass)
+    if dt == torch.float32:
+        full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.float64, device=dev)
+        for r in range(0, rows, _EXACT_SLICE_ROWS):
+            part = slice(r, r + _EXACT_SLICE_ROWS)
+            full[part].scatter_add_(1, index[part], exps[part].double())
+
+        def mass_of(values):  # the histogram's own values of the candidates
+            return torch.exp(values - big_m[:, None]).double()
+
+    else:
+        mass = to_fixed_point(exps, out=scratch.get("samp_mass", rows, cols, torch.int64))
+        full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.int64, device=dev).scatter_add_(1, index, mass)
+
+        def mass_of(values):
+            return to_fixed_point(torch.exp(values - big_m[:, None]))
+
     with _one_thread(dev):
         hist = full[:, _TOP_P_LOWEST:].contiguous()
-        hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        if dt != torch.float32:  # integers: the lumped bin's sum is exact too
+            hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
         all_reduce_sum_(hist, group)
         below = hist.cumsum(1)
-        at_or_above = below[:, -1:] - below + hist  # exact
+        at_or_above = below[:, -1:] - below + hist
         target = top_p * at_or_above[:, 0].double()
         crossing = ((at_or_above.double() >= target[:, None]).sum(1) - 1).clamp(min=0)
         padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
@@ -463,19 +492,25 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> to
     vals = y[r, col]
     with _one_thread(dev):
         cand = _candidates(vals, r, rows, group)
-        cand_mass = to_fixed_point(torch.exp(cand - big_m[:, None]))  # the padding's is 0
+        cand_mass = mass_of(cand)  # the padding's is 0
         if keep_cut:
             cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0)
         cum = cand_mass.cumsum(1)
-        kept = ((above[:, None] + cum - cand_mass).double() < target[:, None]) & (cand_mass > 0)
+        kept = ((above[:, None] + (cum - cand_mass)).double() < target[:, None]) & (cand_mass > 0)
         n_kept = kept.sum(1)
         t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+        # the kept candidates are a prefix of the descending list (every value >= t): their running mass there
+        n_at_or_above = (cand >= t[:, None]).sum(1)
+        kept_mass = above + cum.gather(1, (n_at_or_above - 1).clamp(min=0)[:, None]).squeeze(1)
+        kept_mass = torch.where(active := (top_p < 1.0) & finite, kept_mass, at_or_above[:, 0])
+        if kept_mass.dtype == torch.int64:  # fixed point
+            kept_mass = kept_mass.double() * 2.0**-INVARIANT_FRACTION_BITS
         all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & ((above + cum[:, -1]).double() < target)
-        active = (top_p < 1.0) & finite
         miss = active & ((n_kept == 0) | all_kept_short)
         if bool(miss.any()):
-            t = torch.where(miss, _dense_top_p(y, keep, big_m, top_p, miss, group, exact=True)[0], t)
-        return torch.where(active, t, -math.inf)
+            t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group, exact=True)
+            t, kept_mass = torch.where(miss, t_dense, t), torch.where(miss, mass_dense, kept_mass)
+        return torch.where(active, t, -math.inf), kept_mass
 
 
 def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.Tensor:
@@ -515,8 +550,8 @@ def _one_thread(device: torch.device) -> Iterator[None]:
 
 def _dense_top_p(y, keep, big_m, top_p, rows_mask, group, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-p threshold and kept mass (as `_top_p_threshold`) of the rows in `rows_mask` by sorting
-    them whole (the rare fallback). `exact`: the masses in fixed point (`_top_p_threshold_exact`; the kept
-    mass returned is then meaningless)."""
+    them whole (the rare fallback). `exact`: the masses in fixed point (`_top_p_threshold_exact`), exact sums
+    whatever the rows' widths."""
     idx = rows_mask.nonzero(as_tuple=True)[0]
     FALLBACK_ROWS[0] += int(idx.numel())
     sub = y[idx]
@@ -547,7 +582,8 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group, *, exact: bool = False
     out = torch.full_like(big_m, -math.inf)
     out[idx] = t_rows
     kept_mass = torch.zeros(big_m.shape, dtype=torch.float64, device=y.device)
-    kept_mass[idx] = torch.where(kept, mass, 0.0).sum(1)
+    rows_mass = torch.where(kept, mass, 0).sum(1)
+    kept_mass[idx] = rows_mass.double() * 2.0**-INVARIANT_FRACTION_BITS if exact else rows_mass
     return out, kept_mass
 
 

@@ -144,8 +144,19 @@ class TorchKernels:
             return BlockPartials(m, empty, empty if entropy else None, empty if sum_logits else None, target_out,
                                  global_max is not None, y_scale)  # fmt: skip
         xv = x[:, :n_valid]
-        kept = None if keep_min is None else xv >= keep_min[:, None]
         identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
+        if global_max is not None and kept_exps is not None and kept_exps[2] is not None and not (entropy or sum_logits):
+            # the threshold search summed the kept set's mass exactly (this rank's share: all of it on the
+            # group's first rank): one block of it, and no pass over the chunk
+            _, big_m, kept_mass = kept_exps
+            if target:
+                idx, owned = local_targets(labels, math)
+                x_label = xv.gather(1, idx[:, None]).squeeze(1)
+                y_label = transform_into(torch.empty(rows, dtype=acc, device=x.device), x_label, math)
+                target_out = torch.where(owned, torch.where(x_label.to(acc) >= keep_min, y_label, float("-inf")), 0.0)
+            self._scaled_of = None
+            return BlockPartials(big_m[:, None], kept_mass.to(acc)[:, None], None, None, target_out, True)
+        kept = None if keep_min is None else xv >= keep_min[:, None]
         scratch_y = self.scratch.get("y", rows, n_valid, acc)
         if identity and kept is None:
             y = xv  # read-only: shifted into scratch below
