@@ -608,3 +608,19 @@ def test_impl_help_names_the_cpu_default_impls():
         "(default: CPU logits naive,chunked,megatron; fused naive,fused,torch-fused,cce,liger,matmul-floor; "
         "CUDA all)"
     )
+
+
+def test_invariant_adds_a_checked_invariant_row_beside_each_row_of_an_op_that_takes_it():
+    config = _config(
+        workloads=["logits", "fused"], impls={"logits": ["naive", "chunked"], "fused": ["naive", "fused"]},
+        tokens={"logits": [128], "fused": [64]}, chunks={"logits": [64], "fused": ["auto"]}, invariant=True,
+    )  # fmt: skip
+    rows = run_sweep(config, show_progress=False)
+    labels = [r.label for r in rows]
+    assert labels == ["naive", "chunked[64]", "chunked+inv[64]", "naive", "fused[auto]", "fused+inv[auto]"]
+    for r in rows:
+        assert r.status == "ok" and r.check in ("ref", "ok"), (r.label, r.note)
+        if "+inv" in r.label:
+            base = next(b for b in rows if b.label == r.label.replace("+inv", "") and b.workload == r.workload)
+            assert f"invariant: {r.time_ms / base.time_ms:.2f}x {base.label}'s time" in r.note
+    assert "chunked+inv[64]" in format_table(rows)  # (without the flag there are none: the tests above)

@@ -2,6 +2,10 @@
 
     git archive <commit> src | tar -x -C /tmp/base     # the previous commit's source
     python tools/ab_bench.py --a /tmp/base/src --b src --rounds 7 [--case NAME ...] [--json out.json]
+    python tools/ab_bench.py --a src --b src --b-invariant --case logits_fp32_auto --case fused_logprobs_fp32
+
+With ``--b-invariant`` side B runs the cases' lmloss op with ``invariant=True`` (docs/invariant.md): the cost of
+the invariant mode against the default, in one tree (only the cases whose op takes it, `INVARIANT_CASES`).
 
 Each round runs every case once in tree A and once in tree B, alternating which goes first, each in a fresh
 process (so each side imports its own lmloss) that builds the case's inputs (seeded), runs one untimed warm-up
@@ -31,8 +35,20 @@ CASES = {
     "logits_fp32_auto": ("""
         x = (torch.randn(4096, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (4096,))
         def step():
-            x.grad = None; lmloss.token_logprobs(x, y).sum().backward()
+            x.grad = None; lmloss.token_logprobs(x, y, **INV).sum().backward()
     """, "token_logprobs [4096, 32000] fp32, chunk 'auto'"),
+    "logits_entropy_fp32_auto": ("""
+        x = (torch.randn(4096, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (4096,))
+        def step():
+            x.grad = None; lp, ent = lmloss.token_logprobs(x, y, return_entropy=True, **INV)
+            (lp.sum() + 0.01 * ent.sum()).backward()
+    """, "token_logprobs + entropy [4096, 32000] fp32, chunk 'auto'"),
+    "fused_logprobs_fp32": ("""
+        h = torch.randn(4096, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        y = torch.randint(0, 32000, (4096,))
+        def step():
+            h.grad = w.grad = None; lmloss.linear_token_logprobs(h, w, y, **INV).sum().backward()
+    """, "linear_token_logprobs 4096 x 256 x 32000 fp32, chunk 'auto'"),
     "logits_bf16_chunk1024": ("""
         x = (torch.randn(4096, 32000) * 2).bfloat16().requires_grad_(); y = torch.randint(0, 32000, (4096,))
         def step():
@@ -54,7 +70,7 @@ CASES = {
         y = torch.randint(0, 32000, (4096,)); u = torch.randn(4096)
         def step():
             h.grad = w.grad = None
-            lp, ent = lmloss.linear_token_logprobs(h, w, y, temperature=0.7, return_entropy=True)
+            lp, ent = lmloss.linear_token_logprobs(h, w, y, temperature=0.7, return_entropy=True, **INV)
             ((lp * u).sum() + 0.01 * ent.sum()).backward()
     """, "linear_token_logprobs + entropy under a per-token upstream, 4096 x 256 x 32000 fp32"),
     "policy_fp32": ("""
@@ -69,7 +85,7 @@ CASES = {
     "topp_fp32": ("""
         x = (torch.randn(2048, 32000) * 2).requires_grad_(); y = x.detach().argmax(-1)
         def step():
-            x.grad = None; lmloss.token_logprobs(x, y, top_p=0.9, chunk_size=1024).sum().backward()
+            x.grad = None; lmloss.token_logprobs(x, y, top_p=0.9, chunk_size=1024, **INV).sum().backward()
     """, "token_logprobs(top_p=0.9) [2048, 32000] fp32"),
     "topk_fp32": ("""
         x = (torch.randn(2048, 32000) * 2).requires_grad_(); y = x.detach().argmax(-1)
@@ -101,6 +117,9 @@ CASES = {
     """, "distillation_loss (JSD beta 0.5) [4096, 32000] fp32"),
 }
 
+#: The cases whose op takes ``invariant=`` (their code passes ``**INV``).
+INVARIANT_CASES = tuple(c for c, (code, _) in CASES.items() if "**INV" in code)
+
 RUNNER = """
 import json, statistics, sys, time, warnings
 import torch
@@ -109,6 +128,7 @@ import lmloss
 from lmloss.profiling import peak_memory
 torch.manual_seed(0)
 {threads}
+INV = {inv}
 {setup}
 step()
 times = []
@@ -120,10 +140,11 @@ print(json.dumps({{"ms": statistics.median(times) * 1e3, "peak_mib": mem.peak_mi
 """
 
 
-def run_one(src: str, case: str, steps: int, threads: int | None) -> dict:
+def run_one(src: str, case: str, steps: int, threads: int | None, invariant: bool = False) -> dict:
     code = RUNNER.format(
         setup=textwrap.dedent(CASES[case][0]), steps=steps,
         threads="" if threads is None else f"torch.set_num_threads({threads})",
+        inv="dict(invariant=True)" if invariant else "{}",
     )  # fmt: skip
     env = dict(os.environ, PYTHONPATH=src, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
@@ -141,14 +162,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per process (their median is the sample)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write every sample here")
+    p.add_argument("--b-invariant", action="store_true", help="side B passes invariant=True to the case's op")
     args = p.parse_args()
-    cases = args.case or list(CASES)
+    cases = args.case or list(INVARIANT_CASES if args.b_invariant else CASES)
+    if args.b_invariant and set(cases) - set(INVARIANT_CASES):
+        p.error(f"--b-invariant takes the cases {', '.join(INVARIANT_CASES)}")
     samples = {c: {"a": [], "b": [], "peak_a": None, "peak_b": None} for c in cases}
     for r in range(args.rounds):
         for c in cases:
             order = ("a", "b") if r % 2 == 0 else ("b", "a")
             for side in order:
-                got = run_one(getattr(args, side), c, args.steps, args.threads)
+                got = run_one(getattr(args, side), c, args.steps, args.threads, args.b_invariant and side == "b")
                 samples[c][side].append(got["ms"])
                 samples[c]["peak_" + side] = got["peak_mib"]
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)

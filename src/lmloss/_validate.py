@@ -139,6 +139,11 @@ def check_z_loss(z_loss: object) -> None:
         raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
 
 
+def check_invariant(invariant: object) -> None:
+    if not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be a bool, got {invariant!r}")
+
+
 def label_stats(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``[5]`` int64 on the labels' device: min and max of the labels (ignored ones count as 0), then a
     fingerprint of the non-ignored ones: their count, their sum and a position-weighted sum

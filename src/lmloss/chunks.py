@@ -67,6 +67,65 @@ def auto_chunk_size(
     return max(1, min(rows, max(n_tokens, 1)))
 
 
+#: The invariant mode's GEMM tile per device type, ``(rows, weight rows)``: every logit of a fused op is made by
+#: a GEMM of exactly ``[rows, H] @ [H, weight rows]`` (`tiled_linear`), whatever the chunk, the batch or the
+#: shard, so that the matmul library picks the same kernel for it every time. On this CPU library (oneDNN /
+#: MKL) a GEMM of fewer than 64 rows takes another kernel and rounds differently; tiles of 128 rows cost
+#: what one GEMM over the chunk costs (measured at 256 x 256 x 32000 fp32), 4096 columns keep the calls few.
+#: The CUDA tile is a first guess, not measured (docs/invariant.md).
+INVARIANT_GEMM_TILE = {"cpu": (128, 4096), "cuda": (256, 8192)}
+
+
+def invariant_gemm_tile(device: torch.device | str) -> tuple[int, int]:
+    """`INVARIANT_GEMM_TILE` for the device's type (the CPU's for any other)."""
+    return INVARIANT_GEMM_TILE.get(torch.device(device).type, INVARIANT_GEMM_TILE["cpu"])
+
+
+def _tile_starts(n: int, size: int) -> list[int]:
+    """Starts of `size`-wide tiles covering ``[0, n)`` (``n >= size``), the last one ending at n (overlapping
+    the one before it when size does not divide n)."""
+    starts = list(range(0, n - size + 1, size))
+    return starts if n % size == 0 else [*starts, n - size]
+
+
+def tiled_linear(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: tuple[int, int]
+) -> torch.Tensor:
+    """``out[:c, :N] = hidden @ weight.T (+ bias)`` for ``hidden [c, H]`` and ``weight [N, H]`` by GEMMs of one
+    shape, ``[R, H] @ [H, Nb]`` (`tile` = (R, Nb)): tiles of R rows and Nb weight rows, the last of each
+    overlapping the one before it (or, where c < R or N < Nb, zero-padded inputs into a scratch tile). Each
+    logit then comes from a GEMM of that one shape, beside whatever other rows and columns share its tile:
+    its bits depend on its own row of `hidden` and column of `weight` (and the library's kernel for that
+    shape), not on c, N or its place. Writing overlapping tiles twice writes the same values."""
+    rows, cols = tile
+    c, n = hidden.shape[0], weight.shape[0]
+    if c == 0 or n == 0:
+        return out
+    h, w, b = hidden, weight, bias
+    if c < rows:
+        h = hidden.new_zeros((rows, hidden.shape[1]))
+        h[:c] = hidden
+    if n < cols:
+        w = weight.new_zeros((cols, weight.shape[1]))
+        w[:n] = weight
+        if bias is not None:
+            b = bias.new_zeros(cols)
+            b[:n] = bias
+    direct = c >= rows and n >= cols
+    scratch = None if direct else torch.empty((rows, cols), dtype=out.dtype, device=out.device)
+    for i in _tile_starts(max(c, rows), rows):
+        for j in _tile_starts(max(n, cols), cols):
+            dst = out[i : i + rows, j : j + cols] if direct else scratch
+            if b is None:
+                torch.mm(h[i : i + rows], w[j : j + cols].t(), out=dst)
+            else:
+                torch.addmm(b[j : j + cols], h[i : i + rows], w[j : j + cols].t(), out=dst)
+            if not direct:
+                r_n, c_n = min(rows, c - i), min(cols, n - j)
+                out[i : i + r_n, j : j + c_n] = scratch[:r_n, :c_n]
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def gemm_accumulates_into_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(fp32, lowp, lowp, out_dtype=float32)`` runs here (CUDA, PyTorch >= 2.11)."""
@@ -122,14 +181,19 @@ class HiddenRows:
 
     owns_chunks = True
 
-    def __init__(self, hidden, weight, bias, scratch: ChunkScratch, chunk_dtype: torch.dtype, name: str = "") -> None:
+    def __init__(
+        self, hidden, weight, bias, scratch: ChunkScratch, chunk_dtype: torch.dtype, name: str = "",
+        gemm_tile: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.hidden, self.weight, self.bias, self.scratch = hidden, weight, bias, scratch
-        self.chunk_dtype, self.name = chunk_dtype, name
+        self.chunk_dtype, self.name, self.gemm_tile = chunk_dtype, name, gemm_tile
 
     def __call__(self, s: int, e: int) -> torch.Tensor:
         v_local = self.weight.shape[0]
         z = self.scratch.get(self.name + "logits_lowp", e - s, v_local, self.weight.dtype)
-        if self.bias is None:
+        if self.gemm_tile is not None:  # the invariant mode: GEMMs of one fixed shape
+            tiled_linear(self.hidden[s:e], self.weight, self.bias, z, self.gemm_tile)
+        elif self.bias is None:
             torch.mm(self.hidden[s:e], self.weight.t(), out=z)
         else:
             torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=z)
@@ -276,7 +340,8 @@ class LinearHead:
     """``hidden [N, H] @ weight.T [H, V_local] + bias``: chunks are matmuls of hidden rows; gradients go
     through `Accumulators` (hidden all-reduced over `tp_group` unless sequence-parallel, where
     `GatherRows`' backward sums them). `opts`: ``weight_grad_dtype``, ``tp_summed``,
-    ``sequence_parallel``, ``chunk_dtype`` (see `chunk_dtype_for`)."""
+    ``sequence_parallel``, ``chunk_dtype`` (see `chunk_dtype_for`), ``gemm_tile`` (the invariant mode's
+    `tiled_linear` tile, or None)."""
 
     def __init__(self, hidden, weight, bias, opts: dict) -> None:
         self.hidden, self.weight, self.bias, self.opts = hidden, weight, bias, opts
@@ -288,7 +353,8 @@ class LinearHead:
 
     def source(self, rows: int, cols: int, scratch: ChunkScratch | None = None) -> HiddenRows:
         scratch = ChunkScratch(rows, cols, self.device) if scratch is None else scratch
-        return HiddenRows(self.hidden, self.weight, self.bias, scratch, self.opts["chunk_dtype"])
+        return HiddenRows(self.hidden, self.weight, self.bias, scratch, self.opts["chunk_dtype"],
+                          gemm_tile=self.opts.get("gemm_tile"))  # fmt: skip
 
     def pass_with_sink(self, rows: int, cols: int, needs) -> tuple[HiddenRows, Accumulators | None]:
         scratch = ChunkScratch(rows, cols, self.device)
@@ -309,8 +375,9 @@ class LinearHead:
 
 
 def linear_head_options(
-    weight: torch.Tensor, *, weight_grad_dtype: torch.dtype, sequence_parallel: bool, tp_group: ProcessGroup | None
-) -> dict:
+    weight: torch.Tensor, *, weight_grad_dtype: torch.dtype, sequence_parallel: bool, tp_group: ProcessGroup | None,
+    invariant: bool = False,
+) -> dict:  # fmt: skip
     """`LinearHead`'s options from the fused ops' arguments."""
     return dict(
         # float64 weights accumulate in float64 (the fp32 default is "at least fp32")
@@ -318,4 +385,5 @@ def linear_head_options(
         tp_summed=world_size(tp_group) > 1,
         sequence_parallel=sequence_parallel,
         chunk_dtype=chunk_dtype_for(weight, weight_grad_dtype),
+        gemm_tile=invariant_gemm_tile(weight.device) if invariant else None,
     )

@@ -33,7 +33,14 @@ import math
 import torch
 
 from lmloss import _validate, replay
-from lmloss.chunks import GatherRows, LinearHead, auto_chunk_size, chunk_budget_mib, linear_head_options
+from lmloss.chunks import (
+    GatherRows,
+    LinearHead,
+    auto_chunk_size,
+    chunk_budget_mib,
+    invariant_gemm_tile,
+    linear_head_options,
+)
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.kernels import compute_dtype
 from lmloss.logits import loss_denominator
@@ -106,7 +113,8 @@ class Prepared:
 
 def prepare(
     hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
-    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, chunk_buffers=1, checks=None, **options,
+    reduction=None, mean_group=None, agree=None, bytes_per_logit=None, chunk_buffers=1, checks=None, invariant=False,
+    **options,
 ) -> Prepared:  # fmt: skip
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states (every fused op's door).
 
@@ -115,6 +123,8 @@ def prepare(
     (default `TORCH_BYTES_PER_LOGIT`), for ops holding more; `chunk_buffers`: how many chunk-sized buffers
     of the input dtype the Triton implementation holds (1: the chunk itself); `checks`: the op's own local checks, run
     before the rank agreement (``checks(expected_leading_shape)``); `options`: `make_plan`'s.
+    `invariant`: the plan's invariant mode, and the head's logits made by `lmloss.chunks.tiled_linear` (chunks
+    of a whole number of its tiles' rows: `chunk_size` is rounded down to one, or up to one tile).
     """
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, options["vocab_start"], hidden):
@@ -141,14 +151,18 @@ def prepare(
     plan = make_plan(
         n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
-        tp_group=tp_group, agree=agree, **options,
+        tp_group=tp_group, agree=agree, invariant=invariant, **options,
     )  # fmt: skip
+    if invariant and plan.chunk_size is not None:  # whole tiles per chunk (agreed values: the same on every rank)
+        rows = invariant_gemm_tile(weight.device)[0]
+        plan = dataclasses.replace(plan, chunk_size=max(rows, plan.chunk_size - plan.chunk_size % rows))
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:
         flat = GatherRows.apply(flat, tp_group)
     opts = linear_head_options(
-        weight, weight_grad_dtype=weight_grad_dtype, sequence_parallel=sequence_parallel, tp_group=tp_group
-    )
+        weight, weight_grad_dtype=weight_grad_dtype, sequence_parallel=sequence_parallel, tp_group=tp_group,
+        invariant=invariant,
+    )  # fmt: skip
     head = functools.partial(LinearHead, opts=opts)
     return Prepared(flat, None if labels is None else labels.reshape(-1), plan, head, expected)
 
@@ -175,6 +189,7 @@ def linear_token_logprobs(
     min_p: float | torch.Tensor | None = None,
     support: torch.Tensor | None = None,
     return_log_kept_mass: bool = False,
+    invariant: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`lmloss.token_logprobs` of ``hidden @ weight.T + bias``, without materializing the logits.
 
@@ -197,6 +212,10 @@ def linear_token_logprobs(
         support: the engine's kept ids ``[..., K]`` (-1 padded): each chunk multiplies its hidden rows by
             only the weight rows its ids name (`lmloss.replay`). With ``sequence_parallel``, `labels` and
             `support` cover every rank's tokens (as `labels` always does).
+        invariant: each token's outputs are a function of its hidden row, the whole weight and bias and the
+            options alone, the same bits whatever the chunking, the other rows, the TP degree and sequence
+            parallelism (docs/invariant.md): the logits come from GEMMs of one fixed shape
+            (`lmloss.chunks.tiled_linear`) and the vocabulary is summed in fixed blocks combined exactly.
         Other arguments as in `lmloss.token_logprobs` (`temperature`, `softcap`, `impl`, ...).
 
     Returns:
@@ -222,7 +241,7 @@ def linear_token_logprobs(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("logprobs", "entropy") if return_entropy else ("logprobs",), checks=checks,
-        log_kept_mass=return_log_kept_mass,
+        log_kept_mass=return_log_kept_mass, invariant=invariant,
     )  # fmt: skip
     if support is None:
         op = Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels))
@@ -256,11 +275,12 @@ def linear_cross_entropy(
     mean_group: ProcessGroup | None = None,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    invariant: bool = False,
 ) -> torch.Tensor:
     """`lmloss.cross_entropy` of ``hidden @ weight.T + bias``, without materializing the logits.
 
     Arguments as in `linear_token_logprobs` and `lmloss.cross_entropy` (``reduction``, ``label_smoothing``,
-    ``z_loss``, ``mean_group``). With ``"sum"`` / ``"mean"`` and gradients enabled, the gradients are
+    ``z_loss``, ``mean_group``, ``invariant``). With ``"sum"`` / ``"mean"`` and gradients enabled, the gradients are
     computed during the forward (3 matmuls in all instead of 4) and only scaled by the backward.
     """
     p = prepare(
@@ -268,7 +288,7 @@ def linear_cross_entropy(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
-        mean_group=mean_group,
+        mean_group=mean_group, invariant=invariant,
     )  # fmt: skip
     if reduction == "none":
         op = Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels))

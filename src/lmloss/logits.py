@@ -108,6 +108,7 @@ def token_logprobs(
     min_p: float | torch.Tensor | None = None,
     support: torch.Tensor | None = None,
     return_log_kept_mass: bool = False,
+    invariant: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probability of each label: ``log_softmax(softcap(logits) / temperature)[..., label]``.
 
@@ -142,6 +143,10 @@ def token_logprobs(
             `lmloss.sampling.support_from_offsets` converts vLLM's ids + offsets): renormalise over them.
         return_log_kept_mass: also return ``log`` of the kept set's probability under the full tempered
             softmax (not differentiable; with top_k / top_p / min_p, or with support).
+        invariant: each token's outputs are a function of its own logits row and the options alone, the
+            same bits whatever the chunk size, the other rows of the call and the TP degree (every shard
+            starting at a multiple of `lmloss.kernels.INVARIANT_BLOCK` columns): the vocabulary is summed
+            in fixed blocks combined exactly (docs/invariant.md). Default False: the fast path.
 
     Returns:
         fp32 ``[...]`` log-probs (fp64 for fp64 logits), then entropy and log kept mass if asked (a
@@ -163,7 +168,7 @@ def token_logprobs(
         logits, labels, outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits),
-        sampling=sampling, support=support, log_kept_mass=return_log_kept_mass,
+        sampling=sampling, support=support, log_kept_mass=return_log_kept_mass, invariant=invariant,
     )  # fmt: skip
     flat, flat_labels = _flat(logits, labels)
     if support is None:
@@ -190,6 +195,7 @@ def token_entropy(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     support: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``p = softmax(softcap(logits) / temperature)`` over the global
     vocabulary (over the kept set, renormalised, with top_k / top_p / min_p or a replayed `support`).
@@ -206,7 +212,7 @@ def token_entropy(
     plan = _plan(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
-        agree=_agree(logits), sampling=sampling, support=support,
+        agree=_agree(logits), sampling=sampling, support=support, invariant=invariant,
     )  # fmt: skip
     flat, _ = _flat(logits, None)
     if support is None:
@@ -234,6 +240,7 @@ def cross_entropy(
     mean_group: ProcessGroup | None = None,
     inplace_backward: bool = False,
     impl: str = "auto",
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of `labels` under ``softmax(softcap(logits) / temperature)``, as `F.cross_entropy`
     defines it.
@@ -258,6 +265,8 @@ def cross_entropy(
             or ``[:-1]`` works too), not be a leaf that requires grad nor have ``retain_grad()``, and their
             leading dims must flatten as a view. Without gradients it changes nothing; inside
             ``torch.compile`` the op runs out of place (same values and gradients).
+        invariant: each token's loss the same bits whatever the chunking, the batch and the TP degree (as
+            in `token_logprobs`); ``"sum"`` / ``"mean"`` then add those per-token losses over the call.
         Other arguments as in `token_logprobs`.
     """
     _validate.check_group("tp_group", tp_group)
@@ -279,7 +288,7 @@ def cross_entropy(
         logits, labels, outputs=("loss",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, label_smoothing=label_smoothing, z_loss=z_loss,
-        agree=_agree(logits, reduction=reduction, mean_group=mean_group),
+        agree=_agree(logits, reduction=reduction, mean_group=mean_group), invariant=invariant,
     )  # fmt: skip
     flat, flat_labels = _flat(logits, labels)
     if inplace:

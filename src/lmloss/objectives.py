@@ -32,10 +32,16 @@ from collections.abc import Callable
 
 import torch
 
-from lmloss.kernels import compute_dtype, make_kernels
+from lmloss.kernels import BlockPartials, compute_dtype, make_kernels
 from lmloss.kernels.torch_ref import transform_into
 from lmloss.sampling import keep_thresholds
-from lmloss.vocab_parallel import all_reduce_sum_, combine_partials, world_size
+from lmloss.vocab_parallel import (
+    all_reduce_max_,
+    all_reduce_sum_,
+    combine_blocks,
+    combine_partials,
+    world_size,
+)
 
 OUTPUTS = ("logprobs", "entropy", "loss")
 #: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `SoftmaxObjective`)
@@ -176,8 +182,26 @@ class SoftmaxObjective:
         plan = self.plan
         return (
             sink is not None and self.upstream is None and plan.outputs == ("loss",) and plan.sampling is None
-            and world_size(plan.tp_group) == 1 and hasattr(kernels, "loss_and_grad_")
+            and world_size(plan.tp_group) == 1 and hasattr(kernels, "loss_and_grad_") and not plan.invariant
         )  # fmt: skip
+
+    def _partials(self, kernels, x, labels, keep: dict, exps: dict, *, overwrite: bool = False):
+        """The chunk's partials for the combine: per row (`lmloss.kernels`), or per block in invariant mode."""
+        plan = self.plan
+        if plan.invariant:
+            return kernels.block_partials(x, labels, plan.math, **plan.flags, **keep, **exps, block=plan.invariant_block,
+                                          global_max=self._global_max, overwrite=overwrite)  # fmt: skip
+        return kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps)
+
+    def _global_max(self, local_max: torch.Tensor) -> torch.Tensor:
+        """The invariant kernels' row max over the TP group (one MAX: exact in any order)."""
+        return all_reduce_max_(local_max, self.plan.tp_group)
+
+    def _combine(self, partials):
+        """Every rank's partials -> the global ones ``[c, 5]`` over the TP group (`lmloss.vocab_parallel`)."""
+        if isinstance(partials, BlockPartials):
+            return combine_blocks(partials, self.plan.tp_group)
+        return combine_partials(partials, self.plan.tp_group)
 
     def start(self, n_rows: int, device: torch.device) -> dict:
         """A pass's own state (its objects live for one pass): the full rows' source and kernels."""
@@ -198,8 +222,7 @@ class SoftmaxObjective:
         keep = {} if kept is None else {"keep_min": kept.keep_min}
         if sink is None:
             exps = {} if kept is None else {"kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}
-            partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps)
-            stats = self._finish(state, partials, labels, s, e)
+            stats = self._finish(state, self._partials(kernels, x, labels, keep, exps, overwrite=overwrite), labels, s, e)
         else:
             out = sink.buffer(s, e, x)
             if self.can_run_one_kernel(kernels, sink):
@@ -218,10 +241,17 @@ class SoftmaxObjective:
                         return stats, coef, stats["lse"], stats["entropy"]
                     return stats, coef, stats["lse"]
 
-                stats, grad = kernels.partials_then_grad_(
-                    x, labels, plan.math, plan.flags, finish_with_grad, out,
-                    uniform_term=plan.label_smoothing > 0, **keep,
-                )  # fmt: skip
+                if plan.invariant:  # block sums, then the gradient from the row's lse (elementwise)
+                    stats, coef, lse, *rest = finish_with_grad(self._partials(kernels, x, labels, keep, {}))
+                    grad = kernels.softmax_grad_(
+                        x, labels, lse, rest[0] if rest else None, coef, plan.math, out,
+                        uniform_term=plan.label_smoothing > 0, **keep,
+                    )  # fmt: skip
+                else:
+                    stats, grad = kernels.partials_then_grad_(
+                        x, labels, plan.math, plan.flags, finish_with_grad, out,
+                        uniform_term=plan.label_smoothing > 0, **keep,
+                    )  # fmt: skip
             sink.consume(s, e, grad)
         if kept is not None:
             stats["keep_min"] = kept.keep_min
@@ -286,6 +316,7 @@ class SoftmaxObjective:
             search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(s, e),
             min(plan.sampling.k_max, plan.shard.vocab_size),
             group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
+            invariant=plan.invariant,
         )  # fmt: skip
 
     def total(self, results: dict) -> torch.Tensor:
@@ -303,13 +334,17 @@ class SoftmaxObjective:
     def _finish(self, state, partials, labels, s, e) -> dict:
         plan = self.plan
         if self.full_rows is None:
-            stats = finish(plan, combine_partials(partials, plan.tp_group), labels)
+            stats = finish(plan, self._combine(partials), labels)
         else:  # the full vocabulary's statistics beside the slots', in the same MAX and SUM
             source, full_kernels = state["full"]
-            full = full_kernels.softmax_partials(
-                source(s, e), None, self.full_rows.math, entropy=False, target=False, sum_logits=False
-            )
-            both = combine_partials(torch.cat([partials, full.to(partials.dtype)]), plan.tp_group)
+            flags = dict(entropy=False, target=False, sum_logits=False)
+            if plan.invariant:
+                full = full_kernels.block_partials(source(s, e), None, self.full_rows.math, **flags,
+                                                   global_max=self._global_max)  # fmt: skip
+                both = self._combine(BlockPartials.cat([partials, full.cast(partials.s.dtype)]))
+            else:
+                full = full_kernels.softmax_partials(source(s, e), None, self.full_rows.math, **flags)
+                both = self._combine(torch.cat([partials, full.to(partials.dtype)]))
             stats = finish(plan, both[: e - s], labels)
             full_lse = both[e - s :, 0] + both[e - s :, 1].log()
             stats["log_kept_mass"] = stats["lse"] - full_lse

@@ -19,10 +19,11 @@ from typing import Protocol
 import torch
 
 from lmloss import _validate
-from lmloss.kernels import ChunkMath, compute_dtype, make_kernels, resolve_impl
+from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.objectives import OUTPUTS
 from lmloss.sampling import Sampling
 from lmloss.vocab_parallel import (
+    INVARIANT_MAX_COLUMNS,
     ProcessGroup,
     VocabShard,
     errors_raised_on_every_rank,
@@ -73,6 +74,13 @@ class LossPlan:
     #: the vocabulary's shard and math, which the slots are taken from. Otherwise `shard` and `math`.
     vocab: VocabShard | None = None
     vocab_math: ChunkMath | None = None
+    #: invariant mode (docs/invariant.md): the width of the blocks the kernels sum over (`INVARIANT_BLOCK`
+    #: columns, or 1 over a replayed support's slots, whose ranks hold scattered ids); 0 when off
+    invariant_block: int = 0
+
+    @property
+    def invariant(self) -> bool:
+        return self.invariant_block > 0
 
     @property
     def returned(self) -> tuple[str, ...]:
@@ -122,6 +130,7 @@ def make_plan(
     log_kept_mass: bool = False,
     options: dict | None = None,
     tensors: dict[str, torch.Tensor | None] | None = None,
+    invariant: bool = False,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
@@ -138,6 +147,10 @@ def make_plan(
 
     `support` ``[N, K]`` (a replayed kept set, `lmloss.replay`, already checked locally): the plan's
     kernels run over the K slots per rank (`shard`, `math`; the vocabulary's are `vocab`, `vocab_math`).
+
+    `invariant` (docs/invariant.md): the kernels sum fixed blocks of columns and the combine is exact
+    (`lmloss.vocab_parallel.combine_blocks`); agreed across the ranks like every option. Every shard must
+    start at a multiple of `INVARIANT_BLOCK` columns and the vocabulary hold at most `INVARIANT_MAX_COLUMNS`.
     """
     with errors_raised_on_every_rank(tp_group, vocab_start, device):
         _validate.check_temperature(temperature)
@@ -148,6 +161,7 @@ def make_plan(
         _validate.check_chunk_size(chunk_size)
         _validate.check_label_smoothing(label_smoothing)
         _validate.check_z_loss(z_loss)
+        _validate.check_invariant(invariant)
         impl = resolve_impl(impl, device, dtype)
     agree = dict(agree or {})
     tensors = dict(tensors or {})
@@ -157,6 +171,7 @@ def make_plan(
     if support is not None:
         agree["slots"], tensors["support"] = support.shape[1], support
     agree["log_kept_mass"] = int(log_kept_mass)
+    agree["invariant"] = int(invariant)
     gathered = will_gather(tp_group, vocab_start)
     options_text = ""
     if options and gathered:  # only a gather compares them
@@ -173,7 +188,13 @@ def make_plan(
     shard, max_local = resolve_shard(
         local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device,
         agree=fields, label_stats=stats, tensors=tensors if gathered else None, options_text=options_text,
+        block_align=INVARIANT_BLOCK if invariant else 0,
     )  # fmt: skip
+    if invariant and shard.vocab_size > INVARIANT_MAX_COLUMNS:  # agreed values: every rank raises alike
+        raise ValueError(
+            f"invariant=True sums the vocabulary in 64-bit fixed point, up to {INVARIANT_MAX_COLUMNS} columns; "
+            f"got vocab_size {shard.vocab_size}"
+        )
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
     if chunk_size == "auto":
@@ -193,6 +214,7 @@ def make_plan(
         shard=shard, math=math, impl=impl, chunk_size=chunk_size, outputs=outputs, ignore_index=ignore_index,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), tp_group=tp_group, sampling=sampling,
         log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
+        invariant_block=0 if not invariant else 1 if support is not None else INVARIANT_BLOCK,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from lmloss.chunks import LogitsHead
+from lmloss.chunks import LogitsHead, tiled_linear
 from lmloss.functions import Op
 from lmloss.kernels import ChunkMath, compute_dtype, scaled_cast
 from lmloss.kernels.torch_ref import transform_into
@@ -128,7 +128,12 @@ class SlotsHead:
         b = self.base
         rows, inverse = torch.unique(local, return_inverse=True)
         w = b.weight[rows]
-        z = b.hidden[s:e] @ w.t() if b.bias is None else torch.addmm(b.bias[rows], b.hidden[s:e], w.t())
+        bias = None if b.bias is None else b.bias[rows]
+        tile = b.opts.get("gemm_tile")
+        if tile is not None:  # the invariant mode: GEMMs of one fixed shape, whatever the chunk's ids
+            z = tiled_linear(b.hidden[s:e], w, bias, w.new_empty((e - s, w.shape[0])), tile)
+        else:
+            z = b.hidden[s:e] @ w.t() if bias is None else torch.addmm(bias, b.hidden[s:e], w.t())
         return z.gather(1, inverse)
 
     def new_gradients(self, needs) -> dict:

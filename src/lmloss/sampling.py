@@ -47,7 +47,17 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_max_, all_reduce_sum_, world_size
+from lmloss.kernels import INVARIANT_BLOCK
+from lmloss.kernels.torch_ref import block_sums
+from lmloss.vocab_parallel import (
+    INVARIANT_FRACTION_BITS,
+    ProcessGroup,
+    all_reduce_max_,
+    all_reduce_sum_,
+    fixed_point_sum,
+    to_fixed_point,
+    world_size,
+)
 
 #: Top-p bins a token by its fp32 ``exp(y - M)``: the exponent and this many leading mantissa bits, i.e.
 #: ``2**5`` bins per halving of the probability (about 0.022 in y), fixed (no value range to find first)
@@ -227,7 +237,7 @@ class ChunkThresholds:
 
 def keep_thresholds(
     y: torch.Tensor, x: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch,
-    want_full_lse: bool,
+    want_full_lse: bool, invariant: bool = False,
 ) -> ChunkThresholds:  # fmt: skip
     """The kept set of each row of the chunk's scaled logits (see `ChunkThresholds`).
 
@@ -239,6 +249,10 @@ def keep_thresholds(
     params: `Sampling.rows` of the chunk. group: the TP group (thresholds are global).
     scratch: a `ChunkScratch` with chunk-sized buffers (the exps are left in its ``"exps"`` buffer).
     want_full_lse: also the global ``logsumexp(y)`` (for the kept mass).
+    invariant: the invariant mode (docs/invariant.md): every mass is summed in fixed point
+        (`lmloss.vocab_parallel.to_fixed_point`), so that the kept set and the full mass are the same bits
+        however the rows are chunked and the vocabulary sharded; the kept set's mass is then left to the
+        kernels (`ChunkThresholds.kept_mass` None).
     """
     rows, dt, dev = y.shape[0], y.dtype, y.device
     neg_inf = torch.full((rows,), -math.inf, dtype=dt, device=dev)
@@ -256,16 +270,27 @@ def keep_thresholds(
     exps = torch.sub(y, big_m[:, None], out=scratch.get("exps", rows, y.shape[1], dt)).exp_()
     full_lse = None
     if want_full_lse:
-        full = all_reduce_sum_(_sum64(exps), group)
+        if invariant:
+            full = fixed_point_sum(block_sums(exps, INVARIANT_BLOCK), group)
+        else:
+            full = all_reduce_sum_(_sum64(exps), group)
         full_lse = (big_m.double() + full.log()).to(dt)
     kept_mass = None
     if params["top_p"] is not None:
         top_p = _per_row(params["top_p"], rows, dev, torch.float64)
         if bool((top_p < 1.0).any()):
-            t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            if invariant:
+                t, mass = _top_p_threshold_exact(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
+            else:
+                t, mass = _top_p_threshold(y, exps, big_m, keep, top_p, group=group, scratch=scratch)
             keep = torch.maximum(keep, t)
-            # under TP the mass is the group's, not this shard's: the kernels sum their own
-            if world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
+            if invariant and bool(torch.isfinite(big_m).all()):
+                # the group's kept mass, found exactly: the first rank's share is all of it (the kernels' exact
+                # SUM adds the others' zeros)
+                first = world_size(group) == 1 or dist.get_rank(group) == 0
+                kept_mass = mass.to(dt) if first else torch.zeros_like(big_m)
+            # under TP the default's mass is the group's, not this shard's: the kernels sum their own
+            elif world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
                 kept_mass = mass.to(dt)
     return ChunkThresholds(
         keep_min=_on_logits(x, y, keep, group, scratch), row_max=big_m, exps=exps, full_lse=full_lse,
@@ -405,6 +430,89 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
         return torch.where(active, t, -math.inf), kept_mass
 
 
+#: Rows per `scatter_add` of the invariant top-p's float64 histogram (a ``[rows, V]`` float64 copy of the exps).
+_EXACT_SLICE_ROWS = 64
+
+
+def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_top_p_threshold` in the invariant mode: the same bins, crossing and candidates, with every mass
+    summed exactly, so that they are the same whatever the chunk and the shards.
+
+    fp32 exps: a bin's tokens share one binary exponent (the bin is read off the exponent and leading
+    mantissa bits), so their float64 sum is exact in any order, and so is the SUM of the ranks' bins; the
+    tokens below ``2**-64`` times the top one (their own exponents: the default lumps them into bin 0) are
+    left out. The candidates are the crossing bin's tokens, their masses the same float64 values, summed
+    exactly too. float64 exps: each token's mass as a fixed-point integer (`to_fixed_point`), summed as
+    int64. The float sums above the bins (the mass at or above each) run in the bins' fixed order. Returns the
+    threshold (-inf where top_p == 1) and the kept set's mass (float64, the group's; the bins' total where
+    top_p == 1), both functions of the group's bins and candidates alone."""
+    rows, cols = y.shape
+    dt, dev = y.dtype, y.device
+    nb = TOP_P_BINS
+    keep_cut = bool(torch.isfinite(keep).any())
+    if keep_cut:
+        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
+    finite = torch.isfinite(big_m)
+    if not bool(finite.all()):
+        exps.masked_fill_(~finite[:, None], 0.0)
+    bins = scratch.get("kept", rows, cols, torch.float32).view(torch.int32)
+    bits = exps if dt == torch.float32 else bins.view(torch.float32).copy_(exps)
+    torch.bitwise_right_shift(bits.view(torch.int32), _TOP_P_SHIFT, out=bins)
+    index = scratch.get("samp_index", rows, cols, torch.int64).copy_(bins)
+    if dt == torch.float32:
+        full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.float64, device=dev)
+        for r in range(0, rows, _EXACT_SLICE_ROWS):
+            part = slice(r, r + _EXACT_SLICE_ROWS)
+            full[part].scatter_add_(1, index[part], exps[part].double())
+
+        def mass_of(values):  # the histogram's own values of the candidates
+            return torch.exp(values - big_m[:, None]).double()
+
+    else:
+        mass = to_fixed_point(exps, out=scratch.get("samp_mass", rows, cols, torch.int64))
+        full = torch.zeros((rows, _TOP_P_LOWEST + nb), dtype=torch.int64, device=dev).scatter_add_(1, index, mass)
+
+        def mass_of(values):
+            return to_fixed_point(torch.exp(values - big_m[:, None]))
+
+    with _one_thread(dev):
+        hist = full[:, _TOP_P_LOWEST:].contiguous()
+        if dt != torch.float32:  # integers: the lumped bin's sum is exact too
+            hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        all_reduce_sum_(hist, group)
+        below = hist.cumsum(1)
+        at_or_above = below[:, -1:] - below + hist
+        target = top_p * at_or_above[:, 0].double()
+        crossing = ((at_or_above.double() >= target[:, None]).sum(1) - 1).clamp(min=0)
+        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
+        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)
+        cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
+    in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
+    r, col = in_bin.nonzero(as_tuple=True)
+    vals = y[r, col]
+    with _one_thread(dev):
+        cand = _candidates(vals, r, rows, group)
+        cand_mass = mass_of(cand)  # the padding's is 0
+        if keep_cut:
+            cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0)
+        cum = cand_mass.cumsum(1)
+        kept = ((above[:, None] + (cum - cand_mass)).double() < target[:, None]) & (cand_mass > 0)
+        n_kept = kept.sum(1)
+        t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+        # the kept candidates are a prefix of the descending list (every value >= t): their running mass there
+        n_at_or_above = (cand >= t[:, None]).sum(1)
+        kept_mass = above + cum.gather(1, (n_at_or_above - 1).clamp(min=0)[:, None]).squeeze(1)
+        kept_mass = torch.where(active := (top_p < 1.0) & finite, kept_mass, at_or_above[:, 0])
+        if kept_mass.dtype == torch.int64:  # fixed point
+            kept_mass = kept_mass.double() * 2.0**-INVARIANT_FRACTION_BITS
+        all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & ((above + cum[:, -1]).double() < target)
+        miss = active & ((n_kept == 0) | all_kept_short)
+        if bool(miss.any()):
+            t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group, exact=True)
+            t, kept_mass = torch.where(miss, t_dense, t), torch.where(miss, mass_dense, kept_mass)
+        return torch.where(active, t, -math.inf), kept_mass
+
+
 def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.Tensor:
     """Flat values `vals` of rows `r` (non-decreasing, as ``nonzero`` gives them), gathered over `group`:
     ``[rows, C]`` descending per row, -inf padded."""
@@ -440,9 +548,10 @@ def _one_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_top_p(y, keep, big_m, top_p, rows_mask, group, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-p threshold and kept mass (as `_top_p_threshold`) of the rows in `rows_mask` by sorting
-    them whole (the rare fallback)."""
+    them whole (the rare fallback). `exact`: the masses in fixed point (`_top_p_threshold_exact`), exact sums
+    whatever the rows' widths."""
     idx = rows_mask.nonzero(as_tuple=True)[0]
     FALLBACK_ROWS[0] += int(idx.numel())
     sub = y[idx]
@@ -454,8 +563,12 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor,
         dist.all_gather(parts, sub.contiguous(), group=group)
         sub = torch.cat(parts, dim=1)
     vals = sub.sort(dim=1, descending=True).values
-    mass = torch.exp(vals.double() - big_m[idx].double()[:, None])
-    mass = torch.where(vals >= keep[idx][:, None], mass, 0.0)
+    if exact:  # as the histogram's: exp in y's dtype, then fixed point
+        mass = to_fixed_point(torch.exp(vals - big_m[idx][:, None]))
+        mass = torch.where(vals >= keep[idx][:, None], mass, 0)
+    else:
+        mass = torch.exp(vals.double() - big_m[idx].double()[:, None])
+        mass = torch.where(vals >= keep[idx][:, None], mass, 0.0)
     z = mass.sum(1)
     excl = mass.cumsum(1) - mass
     n = vals.shape[1]
@@ -464,12 +577,13 @@ def _dense_top_p(y, keep, big_m, top_p, rows_mask, group) -> tuple[torch.Tensor,
     if n > 1:
         new_run[:, 1:] = vals[:, 1:] != vals[:, :-1]
     excl = excl.gather(1, torch.where(new_run, pos, 0).cummax(1).values)
-    kept = (excl < (top_p[idx] * z)[:, None]) & (mass > 0)
+    kept = (excl.double() < (top_p[idx] * z.double())[:, None]) & (mass > 0)
     t_rows = vals.gather(1, (kept.sum(1) - 1).clamp(min=0)[:, None]).squeeze(1)
     out = torch.full_like(big_m, -math.inf)
     out[idx] = t_rows
     kept_mass = torch.zeros(big_m.shape, dtype=torch.float64, device=y.device)
-    kept_mass[idx] = torch.where(kept, mass, 0.0).sum(1)
+    rows_mass = torch.where(kept, mass, 0).sum(1)
+    kept_mass[idx] = rows_mass.double() * 2.0**-INVARIANT_FRACTION_BITS if exact else rows_mass
     return out, kept_mass
 
 

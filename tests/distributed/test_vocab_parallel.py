@@ -6,12 +6,17 @@ One spawned run (world size 4) hosts every check, each in its own sub-group:
   pad    - TP=4 with embedding padding: on the last rank only, and a whole shard of padding
   dp     - TP=2 x DP=2: cross_entropy with mean_group over the DP ranks, one DP rank all-ignored
   errors - shards that don't tile, vocab_size past the columns
+  invariant - invariant=True under TP=4 and two TP=2 groups (tests/distributed/invariant_support.py): every
+           token's outputs the same bits as one process's, the collectives per chunk against the default's
 Each rank returns plain tensors; the references (fp64 log_softmax / F.cross_entropy over the unsharded
-logits) are computed in the test process.
+logits, or one process's invariant outputs) are computed in the test process.
 """
 
 from __future__ import annotations
 
+import math
+
+import invariant_support as inv
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,15 +51,15 @@ class _Counter:
     """Wraps torch.distributed collectives; records (name, op, group) per call."""
 
     def __init__(self):
-        self.calls: list[tuple[str, str, object]] = []
+        self.calls: list[tuple[str, str, object, int]] = []
         self._orig = {"all_reduce": dist.all_reduce, "all_gather": dist.all_gather}
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            self.calls.append(("all_reduce", str(op), group))
+            self.calls.append(("all_reduce", str(op), group, tensor.numel() * tensor.element_size()))
             return self._orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)
 
         def all_gather(tensor_list, tensor, group=None, async_op=False):
-            self.calls.append(("all_gather", "", group))
+            self.calls.append(("all_gather", "", group, tensor.numel() * tensor.element_size()))
             return self._orig["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
 
         dist.all_reduce, dist.all_gather = all_reduce, all_gather
@@ -62,7 +67,12 @@ class _Counter:
     def take(self, group=None):
         """Calls since the last take (only those over `group` when given), as (name, op) pairs."""
         calls, self.calls = self.calls, []
-        return [(n, o) for n, o, g in calls if group is None or g is group]
+        return [(n, o) for n, o, g, _ in calls if group is None or g is group]
+
+    def take_bytes(self, group):
+        """Calls over `group` since the last take, as (name, op, bytes each rank sends in)."""
+        calls, self.calls = self.calls, []
+        return [(n, o, b) for n, o, g, b in calls if g is group]
 
 
 def _run_ops(x_local, labels, w1, w2, counter, group, **shard_kw):
@@ -172,6 +182,7 @@ def _rank_fn(rank: int, world: int):
         except Exception as exc:  # noqa: BLE001 - the test inspects type and message
             errors[name] = (type(exc).__name__, str(exc))
     results["errors"] = errors
+    results["invariant"] = inv.rank_results(rank, world, counter)
     return results
 
 
@@ -339,3 +350,74 @@ def test_bad_shards_raise_value_error_on_every_rank(ranks, case):
         err = ranks[rank]["errors"][case]
         assert err is not None, f"rank {rank} accepted {case}"
         assert err[0] == "ValueError" and word in err[1], err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# invariant=True (docs/invariant.md): TP 1, 2 and 4 give every token the same bits
+
+
+@pytest.fixture(scope="module")
+def one_process_invariant():
+    return inv.one_process()
+
+
+def _same(got, expected, what):
+    got, expected = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), what
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_invariant_outputs_are_the_same_bits_for_tp_1_2_and_4(ranks, one_process_invariant, tp):
+    for rank, got in enumerate(ranks):
+        mine = got["invariant"][tp]
+        for case, expected in one_process_invariant.items():
+            if case == "grad":  # this rank's columns of each row's gradient
+                _same(mine[case], inv.cols(expected, rank % tp, tp), (tp, rank, case))
+            else:
+                _same(mine[case], expected, (tp, rank, case))
+        _same(mine["fused_sp"], one_process_invariant["fused"], (tp, rank, "sequence parallel"))
+
+
+def test_invariant_one_process_outputs_are_the_float64_math(one_process_invariant):
+    got, d = one_process_invariant, inv.data()
+    y = d["logits"].double()[:, : inv.VOCAB] / inv.T
+    logp = y.log_softmax(-1)
+    valid = d["labels"] != -100
+    lp = torch.where(valid, logp.gather(1, d["labels"].clamp(min=0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(got["logprobs"].double(), lp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=2e-5)
+    z = torch.addmm(d["bias"].double(), d["hidden"].double(), d["weight"].double().T)[:, : inv.VOCAB] / inv.T
+    fused = z.log_softmax(-1)
+    torch.testing.assert_close(got["fused"][0].double(),
+                               torch.where(valid, fused.gather(1, d["labels"].clamp(min=0)[:, None])[:, 0], 0.0),
+                               rtol=1e-5, atol=2e-5)  # fmt: skip
+    kept = torch.zeros_like(y, dtype=torch.bool).scatter_(1, d["support"], True)
+    replay = d["logits"].double()[:, : inv.VOCAB].masked_fill(~kept, -math.inf).log_softmax(-1)
+    torch.testing.assert_close(got["support"][0].double(), replay.gather(1, d["top_labels"][:, None])[:, 0],
+                               rtol=1e-5, atol=2e-5)  # fmt: skip
+
+
+def test_invariant_collectives_per_chunk_are_a_max_and_a_sum_of_at_most_twice_the_defaults_bytes(ranks):
+    """Per chunk, after the agreement gather, the default sends a MAX of the row maxima and a SUM of four fp32
+    partials; the invariant mode a MAX and a SUM of int64 words (entropy and label smoothing add a word each,
+    label smoothing a second MAX value)."""
+    n_chunks = 4
+    for got in ranks:
+        per = got["invariant"]["collectives"]
+        for name in inv.COLLECTIVE_CASES:
+            default, invariant = per[(name, False)], per[(name, True)]
+            assert default[0][0] == invariant[0][0] == "all_gather"  # the rank agreement, once per call
+            default, invariant = default[1:], invariant[1:]
+            assert [c[:2] for c in invariant] == [c[:2] for c in default], name
+            assert len(default) == 2 * n_chunks
+            ratio = sum(c[2] for c in invariant) / sum(c[2] for c in default)
+            assert ratio <= {"logprobs": 1.0, "logprobs_entropy": 1.4, "ce_smoothing": 2.0}[name], (name, ratio)
+
+
+def test_invariant_refuses_a_shard_that_starts_inside_a_block_on_every_rank(ranks):
+    for got in ranks:
+        message = got["invariant"]["misaligned"]
+        assert message is not None and "start at a multiple of 128 columns" in message
+        assert "[0, 100, 200, 300]" in message
+

@@ -141,6 +141,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="beside each row of an op that takes invariant= (docs/invariant.md), the same row with "
+        "invariant=True, named <impl>+inv; its note gives its time over the default row's",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -178,6 +184,7 @@ def config_from_args(args: argparse.Namespace):
         warmup=DEFAULT_WARMUP[kind] if args.warmup is None else args.warmup,
         max_memory_mib=args.max_memory_mib,
         seed=args.seed,
+        invariant=args.invariant,
     )
 
 

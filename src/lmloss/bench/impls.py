@@ -748,30 +748,43 @@ DEFAULT_IMPLS = {
 }  # fmt: skip
 
 
+#: The lmloss ops that take ``invariant=`` (docs/invariant.md): ``--invariant`` adds a ``+inv`` row beside each
+#: of their rows.
+INVARIANT_OPS = frozenset(
+    {"token_logprobs", "cross_entropy", "linear_token_logprobs", "linear_cross_entropy", "rl.linear_policy_loss"}
+)
+INVARIANT_SUFFIX = "+inv"
+
+
 def build_impls(
     workload: str,
     device: str,
     names: list[str],
     chunks: list[int | str | None],
     kernels: list[str] = ("torch",),  # type: ignore[assignment]
+    invariant: bool = False,
 ) -> list[Impl]:
     """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels`.
 
     A naive row comes before the rows checked against it. ``"auto"`` is passed on as ``chunk_size="auto"``
-    (every op's default: its own choice of chunk size).
+    (every op's default: its own choice of chunk size). `invariant`: after each row of an op in
+    `INVARIANT_OPS`, the same row with ``invariant=True``, named with `INVARIANT_SUFFIX` (timed interleaved
+    with it, as every row of a case is).
     """
     out: list[Impl] = []
 
     def lmloss_rows(name: str, op: str, make: Callable, objective: str, *, extra_kwargs: dict | None = None,
                     **impl_kw) -> None:  # fmt: skip
+        variants = [("", {})] + ([(INVARIANT_SUFFIX, {"invariant": True})] if invariant and op in INVARIANT_OPS else [])
         for kernel in kernels:
-            kw = {"impl": kernel, **(extra_kwargs or {})}
             reason = _triton_device_reason(kernel, device)
             for c in chunks:
-                step = None if reason else make(c, kw)
-                out.append(
-                    Impl(name, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
-                )
+                for suffix, extra in variants:
+                    kw = {"impl": kernel, **(extra_kwargs or {}), **extra}
+                    step = None if reason else make(c, kw)
+                    out.append(
+                        Impl(name + suffix, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
+                    )
 
     for name in IMPLS_BY_WORKLOAD[workload]:
         if name not in names:

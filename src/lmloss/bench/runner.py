@@ -21,6 +21,7 @@ import torch
 
 import lmloss
 from lmloss.bench.impls import (
+    INVARIANT_SUFFIX,
     WORKLOADS,
     Case,
     Impl,
@@ -75,6 +76,7 @@ class SweepConfig:
     warmup: int = 1
     max_memory_mib: float | None = None
     seed: int = 0
+    invariant: bool = False
 
     def cases(self) -> list[Case]:
         out = []
@@ -456,6 +458,12 @@ def _add_ratios(rows: list[Result]) -> None:
             r.time_vs_floor = r.time_ms / floor.time_ms
         if r.bytes_moved is not None and r.time_ms:
             r.bandwidth_gbs = r.bytes_moved / (r.time_ms * 1e-3) / 1e9
+    # ``--invariant``: each invariant row's time against its default row's (same chunk and kernel)
+    plain = {(r.impl, r.chunk, r.kernel): r for r in rows if r.status == "ok"}
+    for r in rows:
+        base = plain.get((r.impl.removesuffix(INVARIANT_SUFFIX), r.chunk, r.kernel))
+        if r.impl.endswith(INVARIANT_SUFFIX) and r.status == "ok" and base is not None and base.time_ms:
+            _append_note(r, f"invariant: {r.time_ms / base.time_ms:.2f}x {base.label}'s time")
 
 
 class PlainProgress:
@@ -492,7 +500,7 @@ def run_sweep(config: SweepConfig, *, show_progress: bool = True) -> list[Result
     for case in config.cases():
         impls = build_impls(
             case.workload, case.device, config.impls[case.workload], config.chunks[case.workload],
-            config.kernels,
+            config.kernels, config.invariant,
         )  # fmt: skip
         plan.append((case, impls))
     runs = 1 + config.warmup + config.repeats  # per row: its tracked run, then one in each round

@@ -88,6 +88,26 @@ at or above the kept values) or ignore them (the Triton kernels do: their one pa
 they take ``keep_min`` behind a ``KEEP`` constexpr, so the plain kernels compile unchanged). The
 thresholds are found on PyTorch's rounding of ``y``; with softcap the Triton tanh rounds differently, so
 the plan runs sampling ops with softcap on ``impl="torch"``.
+
+**Invariant mode** (``invariant=True`` of the ops, docs/invariant.md): instead of `softmax_partials`, the
+objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, keep_min=None,
+kept_exps=None, block=INVARIANT_BLOCK, global_max=None, overwrite=False) -> BlockPartials``: the same sums
+taken over fixed blocks of `INVARIANT_BLOCK` columns (local columns ``[b B, (b + 1) B)``; the plan checks
+that every shard starts at a multiple of B, so local block b is global block ``vocab_start / B + b``). Per
+block, over its kept valid columns: ``s_b = sum exp(y - m_b)``, ``t_b = sum exp(y - m_b) (y - m_b)`` (if
+entropy), ``sum y`` (if sum_logits), and per row the target as in `softmax_partials` (``[c]``), where the
+shift ``m_b`` is the block's own max of y (-inf when it has none), or, when the implementation calls
+``global_max(values [c, k]) -> [c, k]`` (one MAX over the TP group; with sum_logits its last column is the
+largest finite ``|sum y|`` block's magnitude), the row's global max for every block. A block's sums are
+reduced in an order fixed by B alone: the same bits for that block whatever the chunk's rows, the shard
+width or the block's position in the shard; the last block of the vocabulary may be partial (its missing
+columns take no part, in the same fixed positions). `lmloss.vocab_parallel.combine_blocks` then combines
+the blocks exactly (fixed point, integer sums: no order at all). Both implementations: the PyTorch one
+shifts by the global max (and reuses `kept_exps`, which are shifted by it), the Triton one by each block's
+max in its one pass. `block` 1 (a replayed support's slots, which the ranks hold scattered) makes every
+slot its own block. The gradient contract is unchanged: `softmax_grad_` is elementwise given the row's lse
+and coefficients, so it needs no invariant variant (the PyTorch ``partials_then_grad_`` reuse of the
+forward's exps is not used in this mode).
 """
 
 from __future__ import annotations
@@ -99,6 +119,66 @@ import os
 import torch
 
 IMPLS = ("auto", "torch", "triton")
+#: Columns per block of the invariant mode's vocabulary sums (`BlockPartials`): Megatron pads the vocabulary
+#: to a multiple of 128 x TP by default (``--make-vocab-size-divisible-by 128``), so its shards start on a block.
+INVARIANT_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPartials:
+    """A chunk's sums per block of columns (invariant mode, see the module docstring), each ``[c, n_blocks]``
+    in the compute dtype: `m` the shift of each block's sums (``[c, 1]``: one for every block), `s` sum
+    exp(y - m), `t` the entropy numerator (None unless asked), `sum_y` (None unless asked); `target` ``[c]``
+    y at the label where this shard owns it, else 0. `m` is the block's max of y (-inf: no kept valid
+    column), or with `global_max` the row's max over the whole vocabulary (every rank's), already agreed;
+    then `y_scale` ``[c]`` (with `sum_y`) is the largest finite ``|sum_y|`` block's over every rank too."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    t: torch.Tensor | None
+    sum_y: torch.Tensor | None
+    target: torch.Tensor
+    global_max: bool = False
+    y_scale: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.target.shape[0]
+
+    def padded(self, n_blocks: int) -> BlockPartials:
+        """These blocks followed by empty ones (max -inf, sums 0) up to `n_blocks`, so that two sets of rows
+        can share one combine."""
+        extra = n_blocks - self.s.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(t, value):
+            return None if t is None else torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+
+        m = self.m.expand(-1, self.s.shape[1])
+        return BlockPartials(pad(m, float("-inf")), pad(self.s, 0.0), pad(self.t, 0.0), pad(self.sum_y, 0.0),
+                             self.target, self.global_max)  # fmt: skip
+
+    @staticmethod
+    def cat(parts: list[BlockPartials]) -> BlockPartials:
+        """The rows of `parts` one after another (blocks padded to the widest)."""
+        width = max(p.s.shape[1] for p in parts)
+        parts = [p.padded(width) for p in parts]
+
+        def cat(name):
+            values = [getattr(p, name) for p in parts]
+            if all(v is None for v in values):
+                return None
+            return torch.cat([torch.zeros_like(p.s) if v is None else v for p, v in zip(parts, values)])
+
+        m = torch.cat([p.m.expand(-1, width) for p in parts])
+        return BlockPartials(m, cat("s"), cat("t"), cat("sum_y"), cat("target"), all(p.global_max for p in parts))
+
+    def cast(self, dtype: torch.dtype) -> BlockPartials:
+        def to(t):
+            return None if t is None else t.to(dtype)
+
+        return BlockPartials(to(self.m), to(self.s), to(self.t), to(self.sum_y), to(self.target), self.global_max)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmloss.kernels import ChunkMath, ChunkScratch, compute_dtype
+from lmloss.kernels import INVARIANT_BLOCK, BlockPartials, ChunkMath, ChunkScratch, compute_dtype
 
 _FP32_MIN = torch.finfo(torch.float32).min
 
@@ -35,6 +35,21 @@ def serial_row_reductions(rows: int, device: torch.device) -> Iterator[None]:
     if rows >= threads or threads == 1:
         yield
         return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run a block of small ops (``[c]``, ``[c, blocks]``) on one CPU thread: on a busy machine each parallel
+    op waits for its pool's threads to be scheduled, milliseconds per op, far more than their work."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
@@ -98,6 +113,103 @@ class TorchKernels:
             if keep_min is not None:
                 return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps)
             return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
+
+    def block_partials(
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
+        kept_exps=None, block: int = INVARIANT_BLOCK, global_max=None, overwrite: bool = False,
+    ) -> BlockPartials:  # fmt: skip
+        """The invariant mode's sums per block of `block` columns (`lmloss.kernels`), in `softmax_partials`'
+        passes (transform, max, shift, exp, sums) with each sum taken per block (`block_sums`: an order fixed
+        by the block's width). `global_max` (``local row max [c] -> the group's``, one MAX over the TP
+        group): the exps are shifted by the row's global max, exact in any order, and the partials say so
+        (`BlockPartials.global_max`); None: by each block's own max. With it, the threshold search's
+        `kept_exps` (shifted by that same max) are reused; with `sum_logits` the same MAX carries the largest
+        block sum's magnitude (`BlockPartials.y_scale`). `x` is modified only with `overwrite` (the caller's
+        scratch: an fp32 chunk is then worked on in place)."""
+        rows, n_valid = x.shape[0], math.valid
+        acc = compute_dtype(x.dtype)
+        target_out = torch.zeros(rows, dtype=acc, device=x.device)
+        if n_valid == 0:  # a shard of padding only (TP): no block, and the MAX the other ranks make
+            empty = torch.zeros((rows, 0), dtype=acc, device=x.device)
+            m = torch.full((rows, 1), float("-inf"), dtype=acc, device=x.device)
+            y_scale = None
+            if global_max is not None:
+                if kept_exps is not None:
+                    m = kept_exps[1][:, None]
+                maxes = ([] if kept_exps is not None else [m[:, 0]]) + ([target_out] if sum_logits else [])
+                if maxes:
+                    agreed = global_max(torch.stack(maxes, dim=1))
+                    m = m if kept_exps is not None else agreed[:, :1]
+                    y_scale = agreed[:, -1] if sum_logits else None
+            return BlockPartials(m, empty, empty if entropy else None, empty if sum_logits else None, target_out,
+                                 global_max is not None, y_scale)  # fmt: skip
+        xv = x[:, :n_valid]
+        identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
+        if global_max is not None and kept_exps is not None and kept_exps[2] is not None and not (entropy or sum_logits):
+            # the threshold search summed the kept set's mass exactly (this rank's share: all of it on the
+            # group's first rank): one block of it, and no pass over the chunk
+            _, big_m, kept_mass = kept_exps
+            if target:
+                idx, owned = local_targets(labels, math)
+                x_label = xv.gather(1, idx[:, None]).squeeze(1)
+                y_label = transform_into(torch.empty(rows, dtype=acc, device=x.device), x_label, math)
+                target_out = torch.where(owned, torch.where(x_label.to(acc) >= keep_min, y_label, float("-inf")), 0.0)
+            self._scaled_of = None
+            return BlockPartials(big_m[:, None], kept_mass.to(acc)[:, None], None, None, target_out, True)
+        kept = None if keep_min is None else xv >= keep_min[:, None]
+        scratch_y = self.scratch.get("y", rows, n_valid, acc)
+        if identity and kept is None:
+            y = xv  # read-only: shifted into scratch below
+        elif identity:
+            y = scratch_y.copy_(xv)
+        elif getattr(self, "_scaled_of", None) is x:
+            y = scratch_y  # the threshold search's `scaled` left them there
+        else:
+            y = transform_into(scratch_y, xv, math)
+        self._scaled_of = None
+        if kept is not None:
+            y.masked_fill_(~kept, float("-inf"))
+        if target:
+            idx, owned = local_targets(labels, math)
+            target_out = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
+        sum_y = y_scale = None
+        if sum_logits:
+            sum_y = block_sums(y if kept is None else torch.where(kept, y, 0.0), block)
+        if global_max is None:
+            m = _block_max(y, block)
+            shift = m.clamp(min=_FP32_MIN)  # a block with no kept column (-inf): a finite stand-in, exps 0
+        else:
+            # the row max (and, for sum y, the largest block sum's magnitude) over the group, in one MAX
+            maxes = [] if kept_exps is not None else [y.amax(-1)]
+            if sum_y is not None:
+                maxes.append(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0).amax(-1))
+            maxes = global_max(torch.stack(maxes, dim=1)) if maxes else None
+            if sum_y is not None:
+                y_scale = maxes[:, -1]
+            exps = None
+            if kept_exps is not None:  # exp(y - M) of every column (M: the group's row max): keep the kept ones
+                exps, big_m, _ = kept_exps
+                exps.masked_fill_(~kept, 0.0)
+            else:
+                big_m = maxes[:, 0]
+            m = big_m[:, None]
+            shift = m.clamp(min=_FP32_MIN)
+            if exps is not None and not entropy:
+                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True, y_scale)
+        shifted = y if y is not xv or (overwrite and kept is None) else scratch_y
+        if shift.shape[1] == 1:
+            torch.sub(y, shift, out=shifted)
+        else:
+            _sub_per_block(y, shift, block, out=shifted)
+        agreed = global_max is not None
+        if not entropy:
+            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, agreed, y_scale)
+        if global_max is None or kept_exps is None:
+            exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
+        s = block_sums(exps, block)
+        shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
+        t = block_sums(shifted.mul_(exps), block)
+        return BlockPartials(m, s, t, sum_y, target_out, agreed, y_scale)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
@@ -318,6 +430,53 @@ class TorchKernels:
         inactive = (coef == 0).all(dim=1)
         if _needs_row_mask(inactive):
             work.masked_fill_(inactive[:, None], 0.0)
+
+
+def _block_max(y: torch.Tensor, block: int) -> torch.Tensor:
+    """Max of ``[c, n]`` over blocks of `block` columns -> ``[c, ceil(n / block)]`` (exact in any order)."""
+    rows, n = y.shape
+    n_full = n // block
+    if n_full * block == n:
+        return y.unflatten(1, (n_full, block)).amax(-1)
+    m = torch.empty((rows, n_full + 1), dtype=y.dtype, device=y.device)
+    torch.amax(y[:, : n_full * block].unflatten(1, (n_full, block)), -1, out=m[:, :n_full])
+    torch.amax(y[:, n_full * block :], -1, out=m[:, n_full])
+    return m
+
+
+def _sub_per_block(y: torch.Tensor, shift: torch.Tensor, block: int, *, out: torch.Tensor) -> torch.Tensor:
+    """``out = y - shift[block of the column]`` for ``[c, n]`` `y` and ``[c, ceil(n / block)]`` `shift`
+    (`out` may be `y`)."""
+    n = y.shape[1]
+    n_full = n // block
+    main = (slice(None), slice(0, n_full * block))
+    torch.sub(y[main].unflatten(1, (n_full, block)), shift[:, :n_full, None],
+              out=out[main].unflatten(1, (n_full, block)))  # fmt: skip
+    if n_full * block < n:
+        torch.sub(y[:, n_full * block :], shift[:, n_full:], out=out[:, n_full * block :])
+    return out
+
+
+def block_sums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of ``[c, n]`` over blocks of `block` columns -> ``[c, ceil(n / block)]``, each block reduced in the
+    order its width alone fixes: the whole blocks as one ``[c, n // block, block]`` reduction of the last dim
+    (PyTorch reduces each output from its contiguous inner run, on one thread, given enough outputs:
+    `serial_row_reductions`), a partial last block as a whole block with zeros in its missing columns. The
+    same block gives the same bits in any chunk, at any position, beside any other blocks."""
+    rows, n = t.shape
+    n_full = n // block
+    if n_full * block == n:
+        with serial_row_reductions(rows * n_full, t.device):
+            return t.unflatten(1, (n_full, block)).sum(-1)
+    out = torch.empty((rows, -(-n // block)), dtype=t.dtype, device=t.device)
+    with serial_row_reductions(rows * n_full, t.device):
+        torch.sum(t[:, : n_full * block].unflatten(1, (n_full, block)), -1, out=out[:, :n_full])
+    if n_full < out.shape[1]:
+        tail = t.new_zeros((rows, block))
+        tail[:, : n - n_full * block] = t[:, n_full * block :]
+        with serial_row_reductions(rows, t.device):
+            out[:, n_full] = tail.sum(-1)
+    return out
 
 
 def local_targets(labels: torch.Tensor, math: ChunkMath) -> tuple[torch.Tensor, torch.Tensor]:

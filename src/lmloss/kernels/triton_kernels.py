@@ -37,10 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lmloss.kernels import ChunkMath
+from lmloss.kernels import INVARIANT_BLOCK, BlockPartials, ChunkMath
 
 __all__ = [
     "softmax_partials",
+    "block_partials",
     "softmax_grad_",
     "cross_entropy_loss_and_grad_",
     "block_config",
@@ -248,6 +249,56 @@ def _softmax_partials_kernel(
     tl.store(out_row + 2, t_row)
     tl.store(out_row + 3, target)
     tl.store(out_row + 4, tl.sum(sum_y, 0))
+
+
+# Contract (invariant mode, `lmloss.kernels`): program (row, g) takes the blocks g * GROUP ... g * GROUP + GROUP - 1
+# of BLOCK columns each (local columns [b * BLOCK, (b + 1) * BLOCK), those >= valid or, with KEEP, x < keep take no
+# part) as one [GROUP, BLOCK] tile, and writes out[row, b, 0:4] (fp32) = (m_b, s_b, t_b, sum_y_b): the block's max
+# of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0), sum y. Each block is
+# reduced along axis 1 of that tile, whose shape and layout (GROUP, BLOCK, num_warps) are constants: the order
+# of a block's sum depends on nothing else (not the row, the block's position, the width or the chunk).
+# Program (row, 0) also writes target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
+@triton.jit
+def _block_partials_kernel(
+    x_ptr, x_row_stride, labels_ptr, out_ptr, target_ptr, valid, n_blocks, vocab_start, scale, inv_cap,
+    cap_scale, keep_ptr,
+    SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
+    SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    x_row = x_ptr + row * x_row_stride
+    keep = -float("inf")
+    if KEEP:
+        keep = tl.load(keep_ptr + row)
+    if TARGET:  # read by every program, stored by the row's first
+        local = tl.load(labels_ptr + row) - vocab_start
+        owned = (local >= 0) & (local < valid)
+        x_t = tl.load(x_row + local, mask=owned & (g == 0), other=0.0)
+        y_t, _ = transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        if KEEP:
+            y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
+        tl.store(target_ptr + row, tl.where(owned, y_t, 0.0), mask=g == 0)
+    blk = g * GROUP + tl.arange(0, GROUP)
+    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = cols < valid
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+    if KEEP:
+        mask = mask & (x.to(tl.float32) >= keep)
+    y = tl.where(mask, y, -float("inf"))
+    m = tl.max(y, axis=1)
+    d = y - tl.where(m == -float("inf"), 0.0, m)[:, None]  # an empty block: exps of -inf, 0
+    e = _exp2(d * 1.4426950408889634, FAST)
+    s = tl.sum(e, axis=1)
+    out = out_ptr + (row * n_blocks + blk) * 4
+    in_row = blk < n_blocks
+    tl.store(out + 0, m, mask=in_row)
+    tl.store(out + 1, s, mask=in_row)
+    if ENTROPY:
+        tl.store(out + 2, tl.sum(e * tl.maximum(d, -3.4028234663852886e38), axis=1), mask=in_row)  # 0 where e = 0
+    if SUM_LOGITS:
+        tl.store(out + 3, tl.sum(tl.where(mask, y, 0.0), axis=1), mask=in_row)
 
 
 @triton.jit
@@ -544,6 +595,50 @@ def softmax_partials(
     return out
 
 
+#: The invariant kernel's tile: BLOCK_GROUP blocks of INVARIANT_BLOCK columns per program, at BLOCK_WARPS warps.
+#: Constants: the order of a block's sums follows from them alone (changing one changes the invariant bits).
+BLOCK_GROUP, BLOCK_WARPS = 8, 4
+
+
+def block_partials(
+    x: torch.Tensor,
+    labels: torch.Tensor | None,
+    math: ChunkMath,
+    *,
+    entropy: bool,
+    target: bool,
+    sum_logits: bool,
+    keep_min: torch.Tensor | None = None,
+) -> BlockPartials:
+    """The invariant mode's per-block sums of a chunk (`lmloss.kernels.BlockPartials`): blocks of
+    `INVARIANT_BLOCK` columns over this shard's valid ones, each reduced in an order fixed by the kernel's
+    constant tile (`BLOCK_GROUP` x `INVARIANT_BLOCK`, `BLOCK_WARPS` warps). Arguments as in `softmax_partials`."""
+    _check_rows("x", x, _FLOATS)
+    rows, n_cols = x.shape
+    if not 0 <= math.valid <= n_cols:
+        raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
+    if target:
+        if labels is None:
+            raise ValueError("labels is required when target=True")
+        labels = _row_vector("labels", labels, rows, _INTS)
+    if keep_min is not None:
+        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+    n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
+    out = torch.zeros((rows, n_blocks, 4), dtype=torch.float32, device=x.device)
+    tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
+    if rows and n_blocks:
+        values, flags = math_args(math, x)
+        with _device_guard(x):
+            _block_partials_kernel[(rows, triton.cdiv(n_blocks, BLOCK_GROUP))](
+                x, x.stride(0), labels if target else x, out, tgt, math.valid, n_blocks, math.vocab_start, *values,
+                tgt if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
+                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, num_warps=BLOCK_WARPS, **flags,
+            )  # fmt: skip
+    return BlockPartials(
+        out[:, :, 0], out[:, :, 1], out[:, :, 2] if entropy else None, out[:, :, 3] if sum_logits else None, tgt
+    )
+
+
 def softmax_grad_(
     x: torch.Tensor,
     labels: torch.Tensor | None,
@@ -774,6 +869,22 @@ class TritonKernels:
         return softmax_partials(
             x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min
         )
+
+    def block_partials(
+        self, x, labels, math, *, entropy, target, sum_logits, keep_min=None, kept_exps=None, block=INVARIANT_BLOCK,
+        global_max=None, overwrite=False,
+    ):  # fmt: skip
+        """The invariant mode's block sums (`block_partials`): each block shifted by its own max, in the one
+        pass over the chunk (`global_max` and `kept_exps` are not used). `block` 1 (a replayed support's
+        slots, already transformed: one value per block, nothing to reduce) runs the PyTorch reference's."""
+        if block != INVARIANT_BLOCK:
+            from lmloss.kernels.torch_ref import TorchKernels
+
+            return TorchKernels(x.shape[0], x.shape[1], x.device).block_partials(
+                x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, block=block,
+                global_max=global_max,
+            )  # fmt: skip
+        return block_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min)
 
     def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
         return softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)

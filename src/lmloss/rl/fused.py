@@ -169,6 +169,7 @@ def linear_policy_loss(
     kl_importance_weighted: bool = False,
     ref_hidden: torch.Tensor | None = None,
     ref_weight: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`lmloss.rl.policy_loss` of the log-probs of ``hidden @ weight.T + bias``, without the logits.
 
@@ -194,6 +195,11 @@ def linear_policy_loss(
         top_k, top_p, min_p, support: the sampler's distribution (as in `lmloss.linear_token_logprobs`):
             the objective runs on the kept set's renormalised log-probs and entropies, its gradient stays
             on the kept set; tokens whose label lies outside it are left out of the objective (warned).
+        invariant: the per-token log-probs and entropies the objective sees are `linear_token_logprobs`'
+            with ``invariant=True``: the same bits whatever the chunking, the batch and the TP degree, so that
+            on the first pass over a batch whose `old_logprobs` came from that op (the same head, the same
+            options) every ratio is exactly 1 (docs/invariant.md). Not with ``kl_loss_type="full"`` (the
+            divergence's vocabulary sums have no invariant kernels).
         Under `tp_group` every rank must pass the same options and per-token tensors: they are agreed in
         the op's one rank-agreement gather (a rank that differs raises on every rank).
 
@@ -222,6 +228,12 @@ def linear_policy_loss(
         check_kl_arguments(kl_loss_type, kl_loss_coef, ref_logprobs, ref_hidden if full else None, fused=True)
         if (ref_hidden is None) != (ref_weight is None):
             raise ValueError("ref_hidden and ref_weight go together (the reference head)")
+        if full and invariant is True:
+            raise ValueError(
+                "invariant=True does not take kl_loss_type='full': the KL's sums over the vocabulary (the "
+                "two-distribution kernels) have no invariant form; use kl_loss_type='k3' / 'low_var_kl' with "
+                "ref_logprobs from linear_token_logprobs(..., invariant=True)"
+            )
         if ref_hidden is not None:
             if not full:
                 raise ValueError(f"ref_hidden / ref_weight are the reference head of kl_loss_type='full', not {kl_loss_type!r}")
@@ -271,6 +283,7 @@ def linear_policy_loss(
         # both heads' chunks and the KL's gradient (Triton); PyTorch: those, its two log-softmaxes and two
         # work buffers, all fp32
         **(dict(bytes_per_logit=32, chunk_buffers=3) if kl_loss_type == "full" else {}),
+        invariant=invariant,
     )  # fmt: skip
     objective, x, mask = state["objective"], state["x"], state["mask"]
     truncated = p.plan.sampling is not None or support is not None
