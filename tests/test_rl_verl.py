@@ -3,7 +3,8 @@
 verl is imported by tests/verl_support.py (installed without its dependencies; the module is skipped where
 verl is not installed). The references are verl's functions called on the same tensors: every loss of
 ``POLICY_LOSS_REGISTRY`` under every ``loss_agg_mode``, ``agg_loss`` (= `token_weights`), ``kl_penalty``
-(every KL name), the rollout-correction weights of ``rollout_corr_helper`` and ``bypass_mode``.
+(every KL name), the rollout-correction weights (batch-normalized too) and rejection masks of
+``rollout_corr_helper``, and ``bypass_mode``.
 """
 
 from __future__ import annotations
@@ -249,6 +250,81 @@ def test_rollout_correction_weights_equal_verl(level, threshold):
     )
     raw = raw.expand(B, T)[mask]
     assert (got[mask] != raw).any() and (got[mask] == raw).any()  # the threshold bites, not everywhere
+
+
+@pytest.mark.parametrize("level,threshold", IS_CASES, ids=IS_IDS)
+def test_batch_normalized_rollout_correction_weights_equal_verl(level, threshold):
+    old, rollout, mask = _rollout_batch()
+    want, metrics = verl.rollout_corr_helper.compute_rollout_correction_weights(
+        log_ratio=old - rollout, response_mask=mask, rollout_is=level, rollout_is_threshold=threshold,
+        rollout_is_batch_normalize=True,
+    )  # fmt: skip
+    if isinstance(threshold, str):
+        lower, upper = (float(v) for v in threshold.split("_"))
+        got = lmloss.rl.masked_is_weights(old, rollout, mask, lower=lower, upper=upper, level=level,
+                                          batch_normalize=True)  # fmt: skip
+    else:
+        got = lmloss.rl.truncated_is_weights(old, rollout, mask, cap=threshold, level=level, batch_normalize=True)
+    torch.testing.assert_close(got, want, **REL)
+    assert abs(metrics["rollout_is_batch_norm_factor"] - 1) > 1e-3  # the normalization changes the weights
+    packed = lmloss.rl.truncated_is_weights(
+        old[mask], rollout[mask], mask[mask], cap=1.2, level=level, batch_normalize=True,
+        cu_seqlens=torch.tensor([0, *mask.sum(-1).cumsum(0).tolist()]),
+    )  # fmt: skip
+    rows = lmloss.rl.truncated_is_weights(old, rollout, mask, cap=1.2, level=level, batch_normalize=True)
+    torch.testing.assert_close(packed, rows[mask], **REL)
+
+
+def _rollout_batch():
+    """8 x 12 log-probs whose rollout drifts from near (row 1) to far (row 7) off-policy; row 0 has no valid token."""
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(8, 12, generator=g, dtype=torch.float64) * 3
+    drift = torch.linspace(0.02, 0.6, 8, dtype=torch.float64)[:, None]
+    rollout = old + drift * torch.randn(8, 12, generator=g, dtype=torch.float64)
+    mask = torch.rand(8, 12, generator=g) > 0.3
+    mask[0] = False
+    return old, rollout, mask
+
+
+RS_CASES = [
+    ("token_k1", "0.8_1.25"), ("token_k1", 1.25), ("token_k2", 0.02), ("token_k3", 0.02),
+    ("seq_sum_k1", "0.5_2.0"), ("seq_sum_k2", 0.1), ("seq_sum_k3", 0.1),
+    ("seq_mean_k1", 1.05), ("seq_mean_k2", 0.05), ("seq_mean_k3", 0.05), ("seq_max_k2", 0.05), ("seq_max_k3", 0.05),
+    ("token_k1,seq_max_k3", "0.8_1.25,0.05"), ("token_k2, seq_mean_k3,token_k2", 0.02),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rollout_rs,threshold", RS_CASES)
+def test_rejection_mask_equals_verl(rollout_rs, threshold):
+    old, rollout, mask = _rollout_batch()
+    want, _ = verl.rollout_corr_helper.compute_rollout_rejection_mask(
+        log_ratio=old - rollout, response_mask=mask, rollout_rs=rollout_rs, rollout_rs_threshold=threshold
+    )
+    got = lmloss.rl.rejection_mask(old, rollout, mask, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+    assert got.dtype == torch.bool and torch.equal(got, want.bool())
+    assert got.any() and (got != mask).any()  # the criterion keeps some valid tokens and rejects others
+    packed = lmloss.rl.rejection_mask(
+        old[mask], rollout[mask], mask[mask], rollout_rs=rollout_rs, rollout_rs_threshold=threshold,
+        cu_seqlens=torch.tensor([0, *mask.sum(-1).cumsum(0).tolist()]),
+    )  # fmt: skip
+    assert torch.equal(packed, got[mask])
+
+
+@pytest.mark.parametrize(
+    "rollout_rs,threshold,message",
+    [("token_k4", 1.0, "unknown criterion 'token_k4'"), ("seq_max_k1", 1.0, "unknown criterion"),
+     ("", 1.0, "non-empty"), ("token_k2", "0.5_2", "takes one upper bound"), ("token_k1", "2_0.5", "lower <= upper"),
+     ("token_k2", -1.0, "must be finite and > 0"), ("token_k2,token_k3", "1,2,3", "3 entries for 2 criteria"),
+     ("token_k2", None, "must be a number or a string")],
+)  # fmt: skip
+def test_rejection_mask_refuses_what_verl_refuses(rollout_rs, threshold, message):
+    old, rollout, mask = _rollout_batch()
+    with pytest.raises((ValueError, TypeError), match=message):
+        lmloss.rl.rejection_mask(old, rollout, mask, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+    with pytest.raises((ValueError, TypeError)):
+        verl.rollout_corr_helper.compute_rollout_rejection_mask(
+            log_ratio=old - rollout, response_mask=mask, rollout_rs=rollout_rs or None, rollout_rs_threshold=threshold
+        )
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])

@@ -82,6 +82,17 @@ CASES = {
                 clip_ratio_c=3.0, kl_loss_type="k3", kl_loss_coef=0.01, entropy_coeff=0.01)
             loss.backward()
     """, "rl.linear_policy_loss (PPO, dual clip, k3 KL, entropy) 4096 x 256 x 32000 fp32"),
+    "policy_fullkl_fp32": ("""
+        h = torch.randn(4096, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        rh = h.detach() + 0.1 * torch.randn(4096, 256); rw = w.detach() + 0.01 * torch.randn(32000, 256)
+        y = torch.randint(0, 32000, (4096,)); adv = torch.randn(4096); old = -10.9 + 0.3 * adv
+        def step():
+            h.grad = w.grad = None
+            loss, _ = lmloss.rl.linear_policy_loss(h, w, y, old, adv, temperature=0.7, clip_ratio_c=3.0,
+                kl_loss_type="full", kl_loss_coef=0.01, ref_hidden=rh, ref_weight=rw, entropy_coeff=0.01)
+            loss.backward()
+    """, "rl.linear_policy_loss as policy_fp32 with the full KL to a reference head (4 matmuls; a tree without "
+         "kl_loss_type='full' cannot run it)"),
     "topp_fp32": ("""
         x = (torch.randn(2048, 32000) * 2).requires_grad_(); y = x.detach().argmax(-1)
         def step():

@@ -316,7 +316,7 @@ class SoftmaxObjective:
             search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(s, e),
             min(plan.sampling.k_max, plan.shard.vocab_size),
             group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
-            invariant=plan.invariant,
+            invariant=plan.invariant, scale=None if plan.math.softcap else plan.math.scale,
         )  # fmt: skip
 
     def total(self, results: dict) -> torch.Tensor:

@@ -82,9 +82,13 @@ class SlotRows:
 
     def __call__(self, s: int, e: int) -> torch.Tensor:
         head = self.head
-        self.raw = head.values(s, e)
-        y = transform_into(torch.empty(self.raw.shape, dtype=compute_dtype(self.raw.dtype), device=self.raw.device),
-                           self.raw, head.math)  # fmt: skip
+        raw = head.values(s, e)  # a fresh gather
+        if head.math.softcap or raw.dtype != compute_dtype(raw.dtype):
+            self.raw = raw if head.math.softcap else None  # only softcap's chain rule reads it again
+            y = transform_into(torch.empty(raw.shape, dtype=compute_dtype(raw.dtype), device=raw.device), raw,
+                               head.math)  # fmt: skip
+        else:  # the temperature alone, in the compute dtype: in place
+            self.raw, y = None, transform_into(raw, raw, head.math, aliased=True)
         return y.masked_fill_(~head.slots.owned[s:e], ABSENT)
 
 
@@ -102,12 +106,13 @@ class SlotSink:
     def consume(self, s, e, g):
         head = self.head
         math = head.math
-        slope = math.scale
+        # g is the chunk the source made for this call alone (`buffer` hands it back): scaled in place
         if math.softcap:
             t = torch.tanh(self.source.raw.to(g.dtype) / math.softcap)
-            slope = (1.0 - t * t) * math.scale
-        g = torch.where(head.slots.owned[s:e], g * slope, 0.0)
-        head.scatter(self.grads, s, e, g)
+            g.mul_((1.0 - t * t) * math.scale)
+        elif math.scale != 1.0:
+            g.mul_(math.scale)
+        head.scatter(self.grads, s, e, g.masked_fill_(~head.slots.owned[s:e], 0.0))
 
 
 class SlotsHead:

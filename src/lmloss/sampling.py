@@ -237,7 +237,7 @@ class ChunkThresholds:
 
 def keep_thresholds(
     y: torch.Tensor, x: torch.Tensor, params: dict, k_max: int, *, group: ProcessGroup | None, scratch,
-    want_full_lse: bool, invariant: bool = False,
+    want_full_lse: bool, invariant: bool = False, scale: float | None = None,
 ) -> ChunkThresholds:  # fmt: skip
     """The kept set of each row of the chunk's scaled logits (see `ChunkThresholds`).
 
@@ -253,6 +253,8 @@ def keep_thresholds(
         (`lmloss.vocab_parallel.to_fixed_point`), so that the kept set and the full mass are the same bits
         however the rows are chunked and the vocabulary sharded; the kept set's mass is then left to the
         kernels (`ChunkThresholds.kept_mass` None).
+    scale: when y is ``x * scale`` (no softcap), that scale: the threshold on x then needs no pass over the
+        chunk (`_on_logits`).
     """
     rows, dt, dev = y.shape[0], y.dtype, y.device
     neg_inf = torch.full((rows,), -math.inf, dtype=dt, device=dev)
@@ -293,23 +295,54 @@ def keep_thresholds(
             elif world_size(group) == 1 and bool(torch.isfinite(big_m).all()):
                 kept_mass = mass.to(dt)
     return ChunkThresholds(
-        keep_min=_on_logits(x, y, keep, group, scratch), row_max=big_m, exps=exps, full_lse=full_lse,
+        keep_min=_on_logits(x, y, keep, group, scratch, scale), row_max=big_m, exps=exps, full_lse=full_lse,
         kept_mass=kept_mass,
     )  # fmt: skip
 
 
-def _on_logits(x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, group, scratch) -> torch.Tensor:
-    """The threshold on y, moved onto the logits: per row the smallest x whose y is kept (over the TP group:
-    one MIN), -inf where nothing is cut. In y's dtype, which holds every x value exactly."""
+def _on_logits(x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, group, scratch, scale: float | None) -> torch.Tensor:
+    """The threshold on y, moved onto the logits: per row an x threshold that keeps exactly the x whose y is
+    kept, -inf where nothing is cut. In y's dtype, which holds every x value exactly.
+
+    `scale`: y is ``x * scale`` rounded to y's dtype (no softcap): the threshold follows from `keep` alone
+    (`_smallest_kept`, a few per-row steps, no pass over the chunk, the same on every TP rank). Otherwise
+    (softcap, whose tanh is not checked here to round alike in every evaluation) it is the smallest kept x
+    of the chunk (over the TP group: one MIN)."""
     rows, cols = y.shape
     dt = y.dtype
     cut = torch.isfinite(keep)
     if rows == 0 or not bool(cut.any()):
         return keep
+    if scale is not None:
+        low = _smallest_kept(keep, cut, float(scale))
+        if low is not None:
+            return torch.where(cut, low, -math.inf)
     kept_x = scratch.get("kept", rows, cols, dt).copy_(x).masked_fill_(y < keep[:, None], math.inf)
     low = kept_x.amin(dim=1) if cols else torch.full((rows,), math.inf, dtype=dt, device=y.device)
     low = all_reduce_max_(low.neg_(), group).neg_()
     return torch.where(cut, low, -math.inf)
+
+
+def _smallest_kept(keep: torch.Tensor, cut: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Per row the smallest float x of keep's dtype with ``x * scale >= keep`` (the product rounded as the
+    kernels' `transform_into` rounds it: the same op, ``torch.mul`` by the same scalar), or None when a row's
+    boundary is not pinned down within a few ulps (then the caller scans the chunk).
+
+    Rounding is monotone, so ``{x : x * scale >= keep}`` is ``{x >= that x}``: a threshold on the logits that
+    keeps exactly the set the search found on y. Starting from ``keep / scale`` it steps up while the product
+    is below `keep` and down while the one below still reaches it; checked at the end."""
+    if not scale > 0 or not math.isfinite(scale):
+        return None
+    t = torch.where(cut, keep, 0.0)
+    up, down = torch.full_like(t, math.inf), torch.full_like(t, -math.inf)
+    x = (t.double() / scale).to(t.dtype)
+    for _ in range(3):
+        x = torch.where(torch.mul(x, scale) < t, torch.nextafter(x, up), x)
+    for _ in range(3):
+        below = torch.nextafter(x, down)
+        x = torch.where(torch.mul(below, scale) >= t, below, x)
+    pinned = (torch.mul(x, scale) >= t) & (torch.mul(torch.nextafter(x, down), scale) < t)
+    return x if bool((pinned | ~cut).all()) else None
 
 
 def _kth_largest(y: torch.Tensor, k: torch.Tensor, k_max: int, group) -> torch.Tensor:

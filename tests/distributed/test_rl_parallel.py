@@ -14,11 +14,13 @@ the whole batch (pinned to verl's formulas in tests/test_rl.py) to 1e-12:
             ``dp_size`` gives the one-process gradient of a small model's weight;
   fused_tp2 `linear_policy_loss` with the vocabulary sharded over TP=2 ({0,1}, {2,3}), with and without
             sequence parallelism, against the one-process float64 loss on the materialized logits;
-  is_cp2    sequence-level rollout IS weights (TIS, MIS) on DP=2 x CP=2 pieces (`sequence_ids`, the CP
-            group), against the one-process weights;
-  agree     `token_weights` over 2-rank groups ({0,1}, {2,3}) whose ranks pass different modes, a bad
-            argument on one rank, different resolved horizons...: every rank raises the same error, and
-            the group still works after it (the groups have a 60 s timeout: a rank left waiting fails).
+  is_cp2    sequence-level rollout IS weights (TIS, MIS; batch-normalized over the 4 ranks) and the rejection
+            mask of sequence criteria on DP=2 x CP=2 pieces (`sequence_ids`, the CP group), against the
+            one-process weights and mask;
+  agree     `token_weights`, the IS weights and `rejection_mask` over 2-rank groups ({0,1}, {2,3}) whose
+            ranks pass different modes / criteria / thresholds, a bad argument on one rank, different
+            resolved horizons...: every rank raises the same error, and the group still works after it
+            (the groups have a 60 s timeout: a rank left waiting fails).
 
 The sequence objectives (gspo, geo_mean, vespo) all-reduce their per-sequence sums over CP; clip_cov /
 kl_cov take `covariance_selection` made over the DP group on each rank's whole sequences, split like the
@@ -156,8 +158,12 @@ def _dp_cp(d, dp_rank, cp_rank, dp, cp, world_group, mode, agg):
     return [part], tracker.export(), (pos, sel)
 
 
-def _is_weights_cp(d, dp_rank, cp_rank, cp):
-    """Sequence-level TIS / MIS weights of this DP x CP piece (old vs a rollout near it)."""
+RS = dict(rollout_rs="seq_mean_k2,seq_max_k3,seq_sum_k1", rollout_rs_threshold="0.0008,0.004,0.9_1.1")
+
+
+def _is_weights_cp(d, dp_rank, cp_rank, cp, world):
+    """Sequence-level TIS / MIS weights of this DP x CP piece (old vs a rollout near it), batch-normalized
+    weights over the world (the DP x CP ranks), and the rejection mask of sequence criteria over CP."""
     pos, cu, _ = _sequences(d, list(range(4 * dp_rank, 4 * dp_rank + 4)))
     local = lmloss.cp.split(pos, cu, 2, cp_rank)
     seq_ids = lmloss.cp.split(lmloss.packing.sequence_ids(cu), cu, 2, cp_rank)
@@ -167,6 +173,9 @@ def _is_weights_cp(d, dp_rank, cp_rank, cp):
         local,
         lmloss.rl.truncated_is_weights(*args, cap=1.05, **kw),
         lmloss.rl.masked_is_weights(*args, lower=0.9, upper=1.05, **kw),
+        lmloss.rl.truncated_is_weights(*args, cap=1.05, batch_normalize=True, group=world, **kw),
+        lmloss.rl.masked_is_weights(*args, lower=0.95, upper=1.05, batch_normalize=True, group=world),
+        lmloss.rl.rejection_mask(*args, sequence_ids=seq_ids, cu_seqlens=cu, cp_group=cp, **RS),
     )
 
 
@@ -191,9 +200,11 @@ def _outcome(fn):
 
 
 def _agreement(r, group):
-    """`token_weights` over a 2-rank group; r is this rank's index in it. 9 valid tokens per rank."""
+    """`token_weights`, the rollout IS weights and `rejection_mask` over a 2-rank group; r is this rank's index
+    in it. 9 valid tokens per rank."""
     rows = torch.ones(1, 9, dtype=torch.bool)
     flat, cu = torch.ones(9, dtype=torch.bool), torch.tensor([0, 4, 9])
+    z = torch.zeros(1, 9, dtype=torch.float64)
 
     def tw(*a, **k):
         return token_weights(*a, group=group, dtype=torch.float64, **k)
@@ -212,6 +223,19 @@ def _agreement(r, group):
         ),  # fmt: skip
         "resolved_horizon": lambda: tw(torch.ones(1, [9, 7][r], dtype=torch.bool), "seq-mean-token-sum-norm"),
         "unused_cu_seqlens": lambda: tw(flat, "token-mean", cu_seqlens=[cu, torch.tensor([0, 4, 8])][r]),
+        "is_level": lambda: lmloss.rl.truncated_is_weights(z, z, rows, level=["token", "sequence"][r], cp_group=group),
+        "is_bad_cap_on_one_rank": lambda: lmloss.rl.truncated_is_weights(z, z, rows, cap=[2.0, -1.0][r],
+                                                                         level="sequence", cp_group=group),
+        "is_normalize_on_one_rank": lambda: lmloss.rl.masked_is_weights(z, z, rows, batch_normalize=[True, False][r],
+                                                                        group=group),
+        "rs_criteria": lambda: lmloss.rl.rejection_mask(z, z, rows, rollout_rs=["seq_max_k2", "token_k2"][r],
+                                                        rollout_rs_threshold=0.1, cp_group=group),
+        "rs_threshold": lambda: lmloss.rl.rejection_mask(z, z, rows, rollout_rs="seq_sum_k1",
+                                                         rollout_rs_threshold=["0.5_2", 3][r], cp_group=group),
+        "rs_bad_on_one_rank": lambda: lmloss.rl.rejection_mask(z, z, rows, rollout_rs=["seq_max_k2", "seq_max_k1"][r],
+                                                               rollout_rs_threshold=0.1, cp_group=group),
+        "off_policy_threshold": lambda: lmloss.rl.off_policy_sequence_mask(z, z, z, rows, threshold=[0.1, 0.2][r],
+                                                                           cp_group=group),
         "after_the_errors": lambda: tw(rows, "seq-mean-token-sum-norm", horizon=3),
     }
     return {name: _outcome(fn) for name, fn in scenarios.items()}
@@ -278,7 +302,7 @@ def worker(rank: int, world_size: int) -> dict:
     out["kl_cov_uneven"] = _uneven_selection(d, rank % 2, pair)
     out["ddp"] = _ddp(d, rank % 2, pair)
     out["fused_tp2"] = {sp: _fused_tp(d, rank % 2, pair, sp) for sp in (False, True)}
-    out["is_cp2"] = _is_weights_cp(d, rank // 2, rank % 2, pair)
+    out["is_cp2"] = _is_weights_cp(d, rank // 2, rank % 2, pair, world)
     out["trl_masks"] = _trl_masks(d, rank // 2, rank % 2, strided[rank % 2], pair)
     out["agree"] = _agreement(rank % 2, agree_pairs[rank // 2])
     dist.barrier(group=world)
@@ -409,16 +433,34 @@ def test_covariance_selection_over_dp_ranks_holding_different_token_counts_is_th
 def test_sequence_level_is_weights_under_cp_equal_the_one_process_weights(results):
     d = _batch()
     kw = dict(level="sequence", cu_seqlens=d["cu"])
-    tis = lmloss.rl.truncated_is_weights(d["old"], d["rollout"], d["mask"], cap=1.05, **kw)
-    mis = lmloss.rl.masked_is_weights(d["old"], d["rollout"], d["mask"], lower=0.9, upper=1.05, **kw)
-    got_tis, got_mis = torch.zeros_like(tis), torch.zeros_like(mis)
+    args = (d["old"], d["rollout"], d["mask"])
+    want = [
+        lmloss.rl.truncated_is_weights(*args, cap=1.05, **kw),
+        lmloss.rl.masked_is_weights(*args, lower=0.9, upper=1.05, **kw),
+        lmloss.rl.truncated_is_weights(*args, cap=1.05, batch_normalize=True, **kw),
+        lmloss.rl.masked_is_weights(*args, lower=0.95, upper=1.05, batch_normalize=True),
+        lmloss.rl.rejection_mask(*args, cu_seqlens=d["cu"], **RS),
+    ]
+    got = [torch.zeros_like(w) for w in want]
     for r in range(WORLD):
-        pos, t, m = results[r]["is_cp2"]
-        got_tis[pos], got_mis[pos] = t, m
-    torch.testing.assert_close(got_tis, tis, **TOL)
-    torch.testing.assert_close(got_mis, mis, **TOL)
-    assert (tis[d["mask"]] == 1.05).any() and (tis[d["mask"]] < 1.05).any()
-    assert (mis[d["mask"]] == 0).any() and (mis[d["mask"]] > 0).any()
+        pos, *parts = results[r]["is_cp2"]
+        for g, p in zip(got, parts):
+            g[pos] = p
+    for g, w in zip(got[:4], want[:4]):
+        torch.testing.assert_close(g, w, **TOL)
+    assert torch.equal(got[4], want[4])
+    tis, mis, tis_normalized, mis_normalized, kept = want
+    valid = d["mask"]
+    assert (tis[valid] == 1.05).any() and (tis[valid] < 1.05).any()
+    assert (mis[valid] == 0).any() and (mis[valid] > 0).any()
+    for normalized in (tis_normalized, mis_normalized):  # mean 1 over sequences / over valid tokens
+        assert not torch.allclose(normalized[valid], (tis if normalized is tis_normalized else mis)[valid])
+    seq = lmloss.packing.sequence_ids(d["cu"])
+    seq_means = [tis_normalized[valid & (seq == s)].mean() for s in range(len(LENGTHS)) if (valid & (seq == s)).any()]
+    one = torch.ones((), dtype=torch.float64)  # up to verl's 1e-8 in each sequence's token count
+    torch.testing.assert_close(torch.stack(seq_means).mean(), one, rtol=1e-8, atol=0.0)
+    torch.testing.assert_close(mis_normalized[valid].mean(), torch.ones((), dtype=torch.float64), **TOL)
+    assert kept[valid].any() and not kept[valid].all()  # the criteria reject some sequences, not all
 
 
 AGREE_ERRORS = {
@@ -429,11 +471,18 @@ AGREE_ERRORS = {
     "float_prompt_ids": "prompt_ids must be an integer tensor",
     "resolved_horizon": "disagree on horizon",
     "unused_cu_seqlens": "cu_seqlens covers 8 tokens but there are 9",
+    "is_level": "disagree on level",
+    "is_bad_cap_on_one_rank": "cap must be a positive number, got -1.0",
+    "is_normalize_on_one_rank": "disagree on batch_normalize",
+    "rs_criteria": "disagree on rollout_rs",
+    "rs_threshold": "disagree on rollout_rs_threshold",
+    "rs_bad_on_one_rank": "unknown criterion 'seq_max_k1'",
+    "off_policy_threshold": "disagree on threshold",
 }
 
 
 @pytest.mark.parametrize("scenario", list(AGREE_ERRORS))
-def test_token_weights_ranks_raise_the_same_error_when_they_disagree(results, scenario):
+def test_ranks_raise_the_same_error_when_they_disagree(results, scenario):
     for pair in ((0, 1), (2, 3)):
         outcomes = [results[r]["agree"][scenario] for r in pair]
         assert outcomes[0] == outcomes[1], outcomes  # the same error on both ranks (none waits)

@@ -10,7 +10,8 @@ objective fused into the LM head.
   ``off_policy_mask_threshold`` as a ``pg_mask``;
 * `linear_policy_loss`: the same from hidden states and the LM-head weight, three matmuls for
   token-separable objectives;
-* `truncated_is_weights` / `masked_is_weights`: rollout-correction weights (TIS, MIS / icepop);
+* `truncated_is_weights` / `masked_is_weights`: rollout-correction weights (TIS, MIS / icepop), optionally
+  normalized to mean 1 over the global batch; `rejection_mask`: verl's rejection sampling (``rollout_rs``);
 * `full_kl`: the exact per-token KL(pi || pi_ref) over the vocabulary (``kl_loss_type="full"``).
 
 See docs/rl.md for the objectives x frameworks table (verl, TRL, ...) and the normalisation convention.
@@ -28,12 +29,13 @@ from lmloss.rl.objectives import (
     off_policy_sequence_mask,
     policy_loss,
 )
-from lmloss.rl.rollout import masked_is_weights, truncated_is_weights
+from lmloss.rl.rollout import REJECTION_CRITERIA, masked_is_weights, rejection_mask, truncated_is_weights
 
 __all__ = [
     "KL_LOSS_TYPES",
     "LOSS_AGG_MODES",
     "LOSS_MODES",
+    "REJECTION_CRITERIA",
     "covariance_selection",
     "full_kl",
     "high_entropy_mask",
@@ -42,6 +44,7 @@ __all__ = [
     "masked_is_weights",
     "off_policy_sequence_mask",
     "policy_loss",
+    "rejection_mask",
     "token_weights",
     "truncated_is_weights",
 ]

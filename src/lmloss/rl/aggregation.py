@@ -46,9 +46,12 @@ SEQ_LEN_EPS = 1e-8
 #: The fields of `token_weights`' agreement vector; ``tokens``, ``seqs`` and ``prompts`` are this rank's
 #: counts (summed / maxed after the gather), every other field must be equal on every rank.
 TOKEN_WEIGHT_FIELDS = ("mode", "horizon", "dtype", "prompt_ids", "tokens", "seqs", "prompts")
-_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+#: A floating dtype as an agreement field (the groups' functions compare their inputs' dtypes: the all-reduced
+#: sums must be of one dtype on every rank).
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 __all__ = [
+    "DTYPE_CODES",
     "LOSS_AGG_MODES",
     "check_ids",
     "check_mask",
@@ -266,8 +269,8 @@ def _local_counts(mask, mode, cu_seqlens, horizon, prompt_ids, dtype, *, need_in
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
-    if dtype not in _DTYPES:
-        raise TypeError(f"dtype must be a floating dtype {tuple(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"dtype must be a floating dtype {tuple(DTYPE_CODES)}, got {dtype!r}")
     mask = check_mask(mask)
     shape = mask.shape
     valid = mask.reshape(-1).to(torch.float64)
@@ -312,7 +315,7 @@ def _local_counts(mask, mode, cu_seqlens, horizon, prompt_ids, dtype, *, need_in
         tokens, seqs = int(tokens.item()), int(seqs.item())
     out.update(tokens=tokens, seqs=seqs)
     out["agree"] = dict(
-        mode=LOSS_AGG_MODES.index(mode), horizon=resolved, dtype=_DTYPES[dtype],
+        mode=LOSS_AGG_MODES.index(mode), horizon=resolved, dtype=DTYPE_CODES[dtype],
         prompt_ids=int(prompt_ids is not None), tokens=tokens if need_ints else 0, seqs=seqs if need_ints else 0,
         prompts=n_prompts,
     )  # fmt: skip

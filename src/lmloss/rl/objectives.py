@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lmloss._validate import check_group
 from lmloss.metrics import StatsTracker
 from lmloss.rl.aggregation import (
+    DTYPE_CODES,
     check_mask,
     check_packed_cu_seqlens,
     group_size,
@@ -705,17 +706,27 @@ def off_policy_sequence_mask(
     rollout engine's (TRL: vLLM's, else the old policy's). Under CP (`sequence_ids`, `cp_group`) the
     per-sequence sums are summed over `cp_group`. Pass the result as `policy_loss(..., pg_mask=...)`.
     """
-    if not _is_number(threshold):
-        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
     check_group("cp_group", cp_group)
-    lp = check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
-    shape = lp.shape
-    check_per_token("sampling_logprobs", sampling_logprobs, shape)
-    check_per_token("advantages", advantages, shape)
-    valid = check_mask(mask, shape).reshape(-1)
-    seq, n_seq = sequence_index(
-        shape, lp.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="off_policy_sequence_mask"
-    )
+    error, local = None, {}
+    try:
+        if not _is_number(threshold):
+            raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+        lp = check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
+        shape = lp.shape
+        check_per_token("sampling_logprobs", sampling_logprobs, shape)
+        check_per_token("advantages", advantages, shape)
+        valid = check_mask(mask, shape).reshape(-1)
+        seq, n_seq = sequence_index(
+            shape, lp.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="off_policy_sequence_mask"
+        )
+        local = dict(threshold=float(threshold), sequences=n_seq, dtype=DTYPE_CODES.get(lp.dtype, -1))
+    except (TypeError, ValueError) as e:
+        if group_size(cp_group) <= 1:
+            raise
+        error = e
+    if group_size(cp_group) > 1:  # every CP rank issues the same all-reduce, or every rank raises the same error
+        agree_over_group(cp_group, "lmloss.rl.off_policy_sequence_mask", ("threshold", "sequences", "dtype"), local,
+                         floats=("threshold",), error=error, like=logprobs)  # fmt: skip
     diff = torch.nan_to_num(sampling_logprobs.detach() - lp.detach(), nan=0.0).reshape(-1)
     cols = torch.stack([torch.where(valid, diff, 0.0), valid.to(diff.dtype)], dim=1)
     sums = torch.zeros((n_seq, 2), dtype=diff.dtype, device=diff.device).index_add_(0, seq, cols)

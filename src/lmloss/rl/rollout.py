@@ -1,54 +1,141 @@
-"""Rollout correction: importance weights between the trainer's and the rollout engine's policies.
+"""Rollout correction: importance weights and rejection between the trainer's and the rollout engine's policies.
 
 The rollout engine (vLLM, SGLang) samples with slightly different log-probs than the trainer computes
 for the same weights (kernels, precision), so its samples are off-policy. The per-token (or per-sequence)
-ratio ``pi_train / pi_rollout = exp(old_logprobs - rollout_logprobs)`` corrects for that:
+log-ratio ``log(pi_train / pi_rollout) = old_logprobs - rollout_logprobs`` corrects for that:
 
 * truncated IS (TIS): the ratio capped from above (`truncated_is_weights`);
 * masked IS (MIS, "icepop"): the ratio where it lies within ``[lower, upper]``, 0 elsewhere
-  (`masked_is_weights`): tokens (or sequences) too far off-policy are dropped instead of down-weighted.
+  (`masked_is_weights`): tokens (or sequences) too far off-policy are dropped instead of down-weighted;
+* rejection sampling (verl's ``rollout_rs``, `rejection_mask`): tokens or whole sequences whose divergence
+  estimate exceeds a threshold leave the *mask*, so they leave the loss's denominators too.
 
 ``level="sequence"`` uses one ratio per sequence, ``exp(sum of its tokens' log-ratios)`` (a product of
 token ratios), for every token of it. All weights are detached (they change the measure, not the
 objective) and 0 at masked positions; pass them to `lmloss.rl.policy_loss(..., rollout_is_weights=w)`.
 The log-ratio is clamped to +-20 before ``exp`` (verl's safety bound).
+
+Under context parallelism (``sequence_ids`` of the CP-local tokens, ``cp_group``) a sequence's sums are
+all-reduced over ``cp_group``; with ``batch_normalize=True`` the weights' mean is taken over ``group`` (the
+ranks that hold the global batch's tokens). Both groups first agree on every argument (one fixed-size
+gather, `lmloss.vocab_parallel.agree_over_group`): a rank whose arguments differ or fail a check makes every
+rank raise the same error instead of leaving one waiting in a collective.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
+
 import torch
 import torch.distributed as dist
 
-from lmloss.rl.aggregation import check_mask, sequence_index
+from lmloss._validate import check_group
+from lmloss.rl.aggregation import DTYPE_CODES, SEQ_LEN_EPS, check_mask, group_size, sequence_index
 from lmloss.rl.objectives import LOG_RATIO_CLAMP, check_per_token
-from lmloss.vocab_parallel import ProcessGroup
+from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
 
 LEVELS = ("token", "sequence")
+#: verl 0.9.1's rejection-sampling criteria (``rollout_rs``): a divergence estimate of each token (``token_``),
+#: or its sum / mean / max over a sequence's valid tokens (``seq_sum_``, ``seq_mean_``, ``seq_max_``). With
+#: ``r = old - rollout`` (clamped to +-20): ``k1 = -r``, ``k2 = r^2 / 2``, ``k3 = exp(r) - 1 - r``.
+REJECTION_CRITERIA = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+#: The agreement vectors' fields (`lmloss.vocab_parallel.agree_over_group`): the IS weights' options, and
+#: rejection_mask's (``rollout_rs``: a bit per criterion; ``rollout_rs_threshold``: a CRC of the parsed
+#: bounds); ``sequences``: how many sequences the CP sums are indexed by (equal over `cp_group`, per rank
+#: over the normalization `group`); ``dtype``: of the log-probs (the sums' all-reduce).
+IS_FIELDS = ("level", "cap", "lower", "upper", "batch_normalize", "sequences", "dtype")
+REJECTION_FIELDS = ("rollout_rs", "rollout_rs_threshold", "sequences", "dtype")
 
-__all__ = ["masked_is_weights", "truncated_is_weights"]
+__all__ = ["REJECTION_CRITERIA", "masked_is_weights", "rejection_mask", "truncated_is_weights"]
 
 
-def _log_ratio(old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group):
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    check_per_token(
-        "old_logprobs", old_logprobs, old_logprobs.shape if isinstance(old_logprobs, torch.Tensor) else None
-    )
-    shape = old_logprobs.shape
-    check_per_token("rollout_logprobs", rollout_logprobs, shape)
-    mask = check_mask(mask, shape)
-    zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
-    log_ratio = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), zero)
-    if level == "sequence":
-        seq, n_seq = sequence_index(
-            shape, mask.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="level='sequence'"
+def _agree(group, what: str, fields, local: dict, error: BaseException | None, like, per_rank=()) -> None:
+    """One agreement gather over `group` when it has more than one rank: a rank's failed check (`error`) or
+    a field that differs make every rank raise the same error here. On one process nothing happens (the
+    caller raises its own `error` after its agreements)."""
+    if group_size(group) > 1:
+        agree_over_group(group, what, fields, local, per_rank=per_rank, floats=("cap", "lower", "upper"),
+                         error=error, like=like)  # fmt: skip
+
+
+def _sequence_sums(cols: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group) -> torch.Tensor:
+    """``[n_seq, C]`` per-sequence sums of the token columns ``cols`` ``[N, C]``, summed over `cp_group`."""
+    sums = torch.zeros((n_seq, cols.shape[1]), dtype=cols.dtype, device=cols.device).index_add_(0, seq, cols)
+    if group_size(cp_group) > 1:  # a sequence's pieces on the CP ranks
+        all_reduce_sum_(sums, cp_group)
+    return sums
+
+
+def _is_weights(
+    what, old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group, batch_normalize, group,
+    bounds, weigh,
+):  # fmt: skip
+    """The body of both IS-weight functions: checks (`bounds()` validates the function's own bounds and returns
+    them as agreement fields), agreement, the log-ratio, `weigh` (ratio -> weight) and the normalization."""
+    check_group("cp_group", cp_group)
+    check_group("group", group)
+    error, local, seq = None, {}, None
+    try:
+        local = dict(bounds())
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        if not isinstance(batch_normalize, bool):
+            raise TypeError(f"batch_normalize must be a bool, got {type(batch_normalize).__name__}")
+        old = check_per_token(
+            "old_logprobs", old_logprobs, old_logprobs.shape if isinstance(old_logprobs, torch.Tensor) else None
         )
-        sums = torch.zeros(n_seq, dtype=log_ratio.dtype, device=log_ratio.device)
-        sums.index_add_(0, seq, log_ratio.reshape(-1))
-        if cp_group is not None and dist.get_world_size(cp_group) > 1:  # a sequence's pieces on CP ranks
-            dist.all_reduce(sums, group=cp_group)
-        log_ratio = sums[seq].view(shape)
-    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask
+        shape = old.shape
+        check_per_token("rollout_logprobs", rollout_logprobs, shape)
+        valid = check_mask(mask, shape).reshape(-1)
+        n_seq = 0
+        if level == "sequence":
+            seq, n_seq = sequence_index(
+                shape, valid.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="level='sequence'"
+            )
+        if batch_normalize and group is None and group_size(cp_group) > 1:
+            raise ValueError("batch_normalize=True under cp_group needs group= (the ranks holding the global batch)")
+        local.update(level=LEVELS.index(level), batch_normalize=int(batch_normalize), sequences=n_seq,
+                     dtype=DTYPE_CODES.get(old.dtype, -1))  # fmt: skip
+    except (TypeError, ValueError) as e:
+        error = e
+    name = f"lmloss.rl.{what}"
+    _agree(cp_group, name, IS_FIELDS, local, error, old_logprobs)
+    _agree(group, name, IS_FIELDS, local, error, old_logprobs, per_rank=("sequences",))
+    if error is not None:
+        raise error
+
+    log_ratio = torch.where(valid, (old_logprobs.detach() - rollout_logprobs.detach()).reshape(-1), 0.0)
+    lengths = None
+    if level == "sequence":
+        sums = _sequence_sums(torch.stack([log_ratio, valid.to(log_ratio.dtype)], dim=1), seq, n_seq, cp_group)
+        log_ratio, lengths = sums[:, 0][seq], sums[:, 1]
+    w = torch.where(valid, weigh(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()), 0.0)
+    if batch_normalize:
+        w = (w / _batch_mean(w, valid, seq, lengths, group)).to(w.dtype)
+    return w.view(shape)
+
+
+def _batch_mean(w, valid, seq, lengths, group) -> torch.Tensor:
+    """The weights' mean over the global batch, as verl's ``rollout_is_batch_normalize`` (1 when it is <= 1e-8):
+    over valid tokens (token level), or over sequences with a valid token (sequence level, a sequence's weight
+    being its token mean with verl's 1e-8 in the count). A sequence cut over CP ranks counts once: each piece
+    contributes its share of the sequence's valid tokens."""
+    w = w.double()  # the sums in float64 whatever the log-probs' dtype (bf16 sums of thousands drift)
+    if seq is None:
+        num_den = torch.stack([torch.where(valid, w, 0.0).sum(), valid.sum().double()])
+    else:
+        total = lengths[seq].double()  # the sequence's valid tokens over every CP rank
+        share = torch.where(valid, 1.0 / total.clamp(min=1.0), 0.0)
+        seq_weight = w * total / (total + SEQ_LEN_EPS)  # verl: masked_mean over the sequence's tokens
+        num_den = torch.stack([(share * seq_weight).sum(), share.sum()])
+    if group_size(group) > 1:
+        all_reduce_sum_(num_den, group)
+    mean = num_den[0] / num_den[1].clamp(min=1e-300)
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
 
 def truncated_is_weights(
@@ -61,18 +148,29 @@ def truncated_is_weights(
     cu_seqlens: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     cp_group: ProcessGroup | None = None,
+    batch_normalize: bool = False,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """TIS: ``min(exp(old - rollout), cap)`` per token (or per sequence), 0 where not `mask`; detached.
 
-    Shapes as in `policy_loss` (``[B, T]`` rows, or ``[N]`` with `cu_seqlens` / `sequence_ids`).
+    Shapes as in `policy_loss` (``[B, T]`` rows, or ``[N]`` with `cu_seqlens` / `sequence_ids`); returns
+    the log-probs' shape and dtype.
     `cp_group`: with ``level="sequence"`` on CP-local tokens, sums each sequence's log-ratio over it.
+    `batch_normalize`: divide by the weights' mean over the global batch (verl's
+    ``rollout_is_batch_normalize``: over valid tokens, or over sequences at ``level="sequence"``), taken over
+    `group` (the DP group, or DP x CP when the tokens are CP-split; None: this call's tokens). Call once per
+    step on each rank's whole share of the batch, like `token_weights`.
     """
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-        raise ValueError(f"cap must be a positive number, got {cap!r}")
-    log_ratio, mask = _log_ratio(
-        old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group
-    )
-    return torch.where(mask, log_ratio.exp().clamp(max=float(cap)), 0.0)
+
+    def bounds():
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise ValueError(f"cap must be a positive number, got {cap!r}")
+        return {"cap": float(cap)}
+
+    return _is_weights(
+        "truncated_is_weights", old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group,
+        batch_normalize, group, bounds, lambda ratio: ratio.clamp(max=float(cap)),
+    )  # fmt: skip
 
 
 def masked_is_weights(
@@ -86,20 +184,162 @@ def masked_is_weights(
     cu_seqlens: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     cp_group: ProcessGroup | None = None,
+    batch_normalize: bool = False,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """MIS / icepop: the ratio ``exp(old - rollout)`` where ``lower <= ratio <= upper``, else 0; detached.
 
     Arguments as in `truncated_is_weights`. A token (or, at ``level="sequence"``, every token of a
-    sequence) outside the bounds gets weight 0: it stays in the denominators but adds no gradient.
+    sequence) outside the bounds gets weight 0: it stays in the denominators but adds no gradient (to drop
+    it from the denominators too, use `rejection_mask`).
     """
-    for name, v in (("lower", lower), ("upper", upper)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-    if not lower < upper:
-        raise ValueError(f"lower ({lower}) must be below upper ({upper})")
-    log_ratio, mask = _log_ratio(
-        old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group
-    )
-    ratio = log_ratio.exp()
-    keep = mask & (ratio >= lower) & (ratio <= upper)
-    return torch.where(keep, ratio, 0.0)
+
+    def bounds():
+        for name, v in (("lower", lower), ("upper", upper)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if not lower < upper:
+            raise ValueError(f"lower ({lower}) must be below upper ({upper})")
+        return {"lower": float(lower), "upper": float(upper)}
+
+    return _is_weights(
+        "masked_is_weights", old_logprobs, rollout_logprobs, mask, level, cu_seqlens, sequence_ids, cp_group,
+        batch_normalize, group, bounds, lambda ratio: torch.where((ratio >= lower) & (ratio <= upper), ratio, 0.0),
+    )  # fmt: skip
+
+
+def parse_rejection(rollout_rs: object, rollout_rs_threshold: object) -> tuple[tuple[str, float, float], ...]:
+    """verl's ``rollout_rs`` / ``rollout_rs_threshold`` as ``((criterion, lower, upper), ...)`` on the
+    statistic's own scale, duplicates dropped: k1 criteria keep ``log(lo) <= stat <= log(hi)`` (a threshold
+    ``"lo_hi"``, or one number ``hi`` meaning ``lo = 1 / hi``), the others ``stat <= hi`` (``lower = -inf``).
+
+    `rollout_rs`: comma-separated names of `REJECTION_CRITERIA`; `rollout_rs_threshold`: one positive number
+    (or string) for every criterion, or a comma-separated string with one entry per criterion."""
+    if not isinstance(rollout_rs, str) or not [c for c in rollout_rs.split(",") if c.strip()]:
+        raise ValueError(f"rollout_rs must be a non-empty comma-separated string of {REJECTION_CRITERIA}")
+    names: list[str] = []
+    for c in (c.strip() for c in rollout_rs.split(",") if c.strip()):
+        if c not in REJECTION_CRITERIA:
+            raise ValueError(f"rollout_rs: unknown criterion {c!r}; the criteria are {REJECTION_CRITERIA}")
+        if c not in names:
+            names.append(c)
+    if isinstance(rollout_rs_threshold, bool) or not isinstance(rollout_rs_threshold, (int, float, str)):
+        raise TypeError(f"rollout_rs_threshold must be a number or a string, got {rollout_rs_threshold!r}")
+    specs = [s.strip() for s in str(rollout_rs_threshold).split(",") if s.strip()]
+    if len(specs) == 1:
+        specs *= len(names)
+    if len(specs) != len(names):
+        raise ValueError(
+            f"rollout_rs_threshold has {len(specs)} entries for {len(names)} criteria {names}: give one for all "
+            "or one per criterion"
+        )
+    out = []
+    for name, spec in zip(names, specs):
+        try:
+            parts = [float(p) for p in spec.split("_")]
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold: {spec!r} (for {name}) is not a number") from None
+        if len(parts) > (2 if name.endswith("k1") else 1):
+            raise ValueError(f"rollout_rs_threshold: {spec!r} (for {name}) takes {'lower_upper' if name.endswith('k1') else 'one upper bound'}")  # noqa: E501
+        if not all(0 < p < math.inf for p in parts):
+            raise ValueError(f"rollout_rs_threshold: {spec!r} (for {name}) must be finite and > 0")
+        if name.endswith("k1"):
+            lo, hi = (1.0 / parts[0], parts[0]) if len(parts) == 1 else parts
+            if lo > hi:
+                raise ValueError(f"rollout_rs_threshold: {spec!r} (for {name}) needs lower <= upper")
+            out.append((name, math.log(lo), math.log(hi)))
+        else:
+            out.append((name, -math.inf, parts[0]))
+    return tuple(out)
+
+
+def rejection_mask(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rollout_rs: str,
+    rollout_rs_threshold: float | str,
+    cu_seqlens: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    cp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """verl's rejection sampling (``rollout_rs``, ``compute_rollout_rejection_mask``): `mask` without the
+    tokens, or whole sequences, whose divergence estimate between trainer and rollout passes its threshold.
+
+    With ``r = clamp(old - rollout, +-20)`` at each valid token: ``k1 = -r``, ``k2 = r^2 / 2``,
+    ``k3 = exp(r) - 1 - r``. ``token_kX`` judges each token; ``seq_sum_kX`` / ``seq_mean_kX`` /
+    ``seq_max_kX`` judge a sequence by the sum / mean (verl's 1e-8 in the count) / max of its valid tokens'
+    ``kX`` and keep or drop all of it. k1 criteria keep ``lo <= ratio`` bounds on ``exp(k1)``, the others
+    ``kX <= threshold``. Every criterion of the comma-separated `rollout_rs` must pass.
+
+    Args:
+        old_logprobs, rollout_logprobs: float ``[B, T]`` or packed ``[N]``, the trainer's and the rollout
+            engine's log-probs of the sampled tokens (read detached).
+        mask: bool (or 0/1), the log-probs' shape.
+        rollout_rs: e.g. ``"token_k1"`` or ``"token_k1,seq_max_k3"`` (`REJECTION_CRITERIA`).
+        rollout_rs_threshold: as verl's: one value for every criterion or one per criterion, comma-separated;
+            a k1 criterion takes ``"lower_upper"`` ratio bounds (``"0.5_2.0"``) or one upper bound ``u`` (then
+            ``lower = 1 / u``), the others one positive upper bound.
+        cu_seqlens, sequence_ids: where the sequences are, for ``seq_`` criteria on packed tokens (as in
+            `policy_loss`).
+        cp_group: with ``seq_`` criteria on CP-local tokens, the sequence statistics are reduced over it.
+
+    Returns:
+        bool, the log-probs' shape: `mask` and every criterion passed. Pass it as the loss's mask, and to
+        `token_weights`, before anything is normalized: rejected tokens leave the denominators (unlike
+        `masked_is_weights`, whose dropped tokens keep counting).
+    """
+    check_group("cp_group", cp_group)
+    error, local = None, {}
+    try:
+        criteria = parse_rejection(rollout_rs, rollout_rs_threshold)
+        old = check_per_token(
+            "old_logprobs", old_logprobs, old_logprobs.shape if isinstance(old_logprobs, torch.Tensor) else None
+        )
+        shape = old.shape
+        check_per_token("rollout_logprobs", rollout_logprobs, shape)
+        valid = check_mask(mask, shape).reshape(-1)
+        per_sequence, n_seq = any(name.startswith("seq_") for name, _, _ in criteria), 0
+        if per_sequence:
+            seq, n_seq = sequence_index(
+                shape, valid.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="a seq_ rollout_rs"
+            )
+        local = dict(
+            rollout_rs=sum(1 << REJECTION_CRITERIA.index(name) for name, _, _ in criteria),
+            rollout_rs_threshold=zlib.crc32(repr([(lo, hi) for _, lo, hi in criteria]).encode()),
+            sequences=n_seq, dtype=DTYPE_CODES.get(old.dtype, -1),
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree(cp_group, "lmloss.rl.rejection_mask", REJECTION_FIELDS, local, error, old_logprobs)
+    if error is not None:
+        raise error
+
+    r = torch.where(valid, (old_logprobs.detach() - rollout_logprobs.detach()).reshape(-1), 0.0)
+    r = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    estimates = {"k1": -r, "k2": 0.5 * r * r, "k3": torch.expm1(r) - r}
+    if per_sequence:  # every sum and count in one all-reduce, every max in another
+        zero = torch.zeros_like(r)
+        cols = [valid.to(r.dtype)] + [torch.where(valid, estimates[k], zero) for k in ("k1", "k2", "k3")]
+        sums = _sequence_sums(torch.stack(cols, dim=1), seq, n_seq, cp_group)
+        maxes = torch.full((n_seq, 2), -math.inf, dtype=r.dtype, device=r.device)
+        for j, k in enumerate(("k2", "k3")):  # k2, k3 >= 0: an empty sequence's max is 0, as verl's
+            maxes[:, j] = maxes[:, j].scatter_reduce(0, seq, torch.where(valid, estimates[k], zero), "amax")
+        if group_size(cp_group) > 1:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=cp_group)
+        maxes = maxes.clamp(min=0.0)
+    keep = valid.clone()
+    for name, lo, hi in criteria:
+        kind, k = name.rsplit("_", 1)
+        j = int(k[1]) - 1
+        if kind == "token":
+            stat = estimates[k]
+        elif kind == "seq_sum":
+            stat = sums[:, 1 + j][seq]
+        elif kind == "seq_mean":
+            stat = (sums[:, 1 + j] / (sums[:, 0] + SEQ_LEN_EPS))[seq]
+        else:
+            stat = maxes[:, j - 1][seq]
+        keep &= (stat >= lo) & (stat <= hi)
+    return keep.view(shape)
