@@ -38,17 +38,15 @@ those ids (`support_slots`, `lmloss.replay`), fused ops matmul only the weight r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from lmloss.kernels import INVARIANT_BLOCK
-from lmloss.kernels.torch_ref import block_sums
+from lmloss.kernels.torch_ref import block_sums, one_thread
 from lmloss.vocab_parallel import (
     INVARIANT_FRACTION_BITS,
     ProcessGroup,
@@ -392,6 +390,19 @@ def _crossing(at_or_above: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((at_or_above >= target[:, None]).sum(1) - 1).clamp(min=0)
 
 
+def _mass_kept_so_far(y, exps, keep, big_m, scratch) -> tuple[bool, torch.Tensor]:
+    """Zero the exps (in place) outside the set top-k / min-p kept so far and in rows of NaN / inf logits
+    (their exps are NaN: no mass). Returns whether any row was cut and which rows are finite."""
+    rows, cols = y.shape
+    keep_cut = bool(torch.isfinite(keep).any())
+    if keep_cut:  # a multiply by a 0 / 1 float mask: a bool operand, masked_fill or where cost several passes on CPU
+        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, y.dtype)))
+    finite = torch.isfinite(big_m)
+    if not bool(finite.all()):
+        exps.masked_fill_(~finite[:, None], 0.0)
+    return keep_cut, finite
+
+
 def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest kept value of top-p over ``{y >= keep}`` (-inf where top_p == 1), and the mass
     ``sum exp(y - M)`` of the kept set (float64 ``[c]``; over the whole group's vocabulary).
@@ -405,14 +416,7 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     rows, cols = y.shape
     dt, dev = y.dtype, y.device
     nb = TOP_P_BINS
-    keep_cut = bool(torch.isfinite(keep).any())
-    if keep_cut:
-        # the mass of the set kept so far (a multiply by a 0 / 1 float mask: a bool operand, masked_fill
-        # or where cost several passes on CPU)
-        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
-    finite = torch.isfinite(big_m)  # a row of NaN / inf logits has NaN exps: give them no mass
-    if not bool(finite.all()):
-        exps.masked_fill_(~finite[:, None], 0.0)
+    keep_cut, finite = _mass_kept_so_far(y, exps, keep, big_m, scratch)
     # each token's bin: the leading bits of its fp32 exp (exponent and TOP_P_MANTISSA_BITS mantissa bits),
     # monotone in y, below _TOP_P_LOWEST + nb for every value in [0, 1]. The histogram and the candidates'
     # mask both read these same integers, so they agree on every token's bin. (int32 work in the free
@@ -425,7 +429,7 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     # the bins below 2**-TOP_P_OCTAVES are lumped into the lowest one kept (nb per row are summed over the
     # group and searched); a crossing down there (top_p within ~1e-15 of 1) misses the candidates, which
     # are the crossing bin's own tokens, and goes to the dense fallback
-    with _one_thread(dev):  # [c, bins] work
+    with one_thread(dev):  # [c, bins] work
         hist = full[:, _TOP_P_LOWEST:].contiguous()
         hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
         at_or_above = _at_or_above(all_reduce_sum_(hist, group))
@@ -437,7 +441,7 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
     r, col = in_bin.nonzero(as_tuple=True)
     vals = y[r, col]
-    with _one_thread(dev):
+    with one_thread(dev):
         cand = _candidates(vals, r, rows, group)  # [c, C] descending, -inf padded
         cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
         if keep_cut:
@@ -482,12 +486,7 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tu
     rows, cols = y.shape
     dt, dev = y.dtype, y.device
     nb = TOP_P_BINS
-    keep_cut = bool(torch.isfinite(keep).any())
-    if keep_cut:
-        exps.mul_(torch.ge(y, keep[:, None], out=scratch.get("kept", rows, cols, dt)))
-    finite = torch.isfinite(big_m)
-    if not bool(finite.all()):
-        exps.masked_fill_(~finite[:, None], 0.0)
+    keep_cut, finite = _mass_kept_so_far(y, exps, keep, big_m, scratch)
     bins = scratch.get("kept", rows, cols, torch.float32).view(torch.int32)
     bits = exps if dt == torch.float32 else bins.view(torch.float32).copy_(exps)
     torch.bitwise_right_shift(bits.view(torch.int32), _TOP_P_SHIFT, out=bins)
@@ -508,7 +507,7 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tu
         def mass_of(values):
             return to_fixed_point(torch.exp(values - big_m[:, None]))
 
-    with _one_thread(dev):
+    with one_thread(dev):
         hist = full[:, _TOP_P_LOWEST:].contiguous()
         if dt != torch.float32:  # integers: the lumped bin's sum is exact too
             hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
@@ -523,7 +522,7 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tu
     in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
     r, col = in_bin.nonzero(as_tuple=True)
     vals = y[r, col]
-    with _one_thread(dev):
+    with one_thread(dev):
         cand = _candidates(vals, r, rows, group)
         cand_mass = mass_of(cand)  # the padding's is 0
         if keep_cut:
@@ -563,22 +562,6 @@ def _candidates(vals: torch.Tensor, r: torch.Tensor, rows: int, group) -> torch.
         dist.all_gather(parts, dense, group=group)
         dense = torch.cat(parts, dim=1)
     return dense.sort(dim=1, descending=True).values
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """Run a block of small ops (``[c, bins]``, ``[c, candidates]``) on one CPU thread: on a busy machine
-    each parallel op waits for its pool's threads to be scheduled, milliseconds per op, far more than
-    the work of these ops."""
-    if device.type != "cpu" or torch.compiler.is_compiling() or torch.get_num_threads() == 1:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _dense_top_p(y, keep, big_m, top_p, rows_mask, group, *, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
