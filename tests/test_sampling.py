@@ -390,3 +390,27 @@ def test_the_top_k_boundary_token_stays_kept_under_softcap(impl):
     ref = y.masked_fill(~kept, -INF).log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
     assert torch.isfinite(lp).all()
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7, 1 / 0.6, 0.37])
+def test_the_threshold_moved_onto_the_logits_keeps_exactly_the_set_found_on_the_scaled_logits(dtype, scale):
+    # y = x * scale (temperature, no softcap): the x threshold is computed per row from y's threshold alone.
+    # Rows hold a run of consecutive floats around the boundary, so any threshold one ulp off shows.
+    g = torch.Generator().manual_seed(5)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    x = (torch.randn(6, 300, generator=g, dtype=torch.float64) * 3).to(dtype)
+    centre = x[:, 7].to(compute)
+    run = [centre]
+    for _ in range(40):
+        run.append(torch.nextafter(run[-1], torch.full_like(centre, math.inf)))
+        run.insert(0, torch.nextafter(run[0], torch.full_like(centre, -math.inf)))
+    x = torch.cat([x, torch.stack(run, 1).to(dtype)], 1)  # bf16: the run collapses onto bf16 values
+    y = torch.mul(x.to(compute), scale)
+    keep = y[:, 300 + 40].clone()  # the value at the run's centre: ties and neighbours on both sides
+    scratch = lmloss.kernels.ChunkScratch(x.shape[0], x.shape[1], x.device)
+    found = sampling._on_logits(x.to(compute), y, keep, None, scratch, scale)
+    scanned = sampling._on_logits(x.to(compute), y, keep, None, scratch, None)  # the chunk scan
+    assert torch.equal(x.to(compute) >= found[:, None], y >= keep[:, None])
+    assert torch.equal(x.to(compute) >= scanned[:, None], y >= keep[:, None])
+    assert not torch.equal(y >= keep[:, None], torch.ones_like(y, dtype=torch.bool))  # something is cut
