@@ -544,6 +544,22 @@ def _programs(device: torch.device) -> int:
     return 4
 
 
+def _check_partials_args(x, labels, math: ChunkMath, target: bool, keep_min):
+    """The checks of `softmax_partials` / `block_partials`: ``(rows, labels, keep_min)``, the vectors checked
+    (labels only when `target`)."""
+    _check_rows("x", x, _FLOATS)
+    rows, n_cols = x.shape
+    if not 0 <= math.valid <= n_cols:
+        raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
+    if target:
+        if labels is None:
+            raise ValueError("labels is required when target=True")
+        labels = _row_vector("labels", labels, rows, _INTS)
+    if keep_min is not None:
+        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+    return rows, labels, keep_min
+
+
 def softmax_partials(
     x: torch.Tensor,
     labels: torch.Tensor | None,
@@ -571,16 +587,7 @@ def softmax_partials(
         fp32 ``[c, 5]``: (max y, sum exp(y - max), sum exp(y - max) * (y - max), y at the label if this shard
         owns it else 0, sum y), sums over the ``math.valid`` leading columns.
     """
-    _check_rows("x", x, _FLOATS)
-    rows, n_cols = x.shape
-    if not 0 <= math.valid <= n_cols:
-        raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
-    if target:
-        if labels is None:
-            raise ValueError("labels is required when target=True")
-        labels = _row_vector("labels", labels, rows, _INTS)
-    if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+    rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
@@ -613,16 +620,7 @@ def block_partials(
     """The invariant mode's per-block sums of a chunk (`lmloss.kernels.BlockPartials`): blocks of
     `INVARIANT_BLOCK` columns over this shard's valid ones, each reduced in an order fixed by the kernel's
     constant tile (`BLOCK_GROUP` x `INVARIANT_BLOCK`, `BLOCK_WARPS` warps). Arguments as in `softmax_partials`."""
-    _check_rows("x", x, _FLOATS)
-    rows, n_cols = x.shape
-    if not 0 <= math.valid <= n_cols:
-        raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
-    if target:
-        if labels is None:
-            raise ValueError("labels is required when target=True")
-        labels = _row_vector("labels", labels, rows, _INTS)
-    if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+    rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
     out = torch.zeros((rows, n_blocks, 4), dtype=torch.float32, device=x.device)
     tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
