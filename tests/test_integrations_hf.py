@@ -135,7 +135,8 @@ def test_a_softcap_changed_after_patch_is_read_by_the_patched_forward(after):
 
 def test_a_scale_the_model_kept_from_construction_is_followed_when_its_config_changes_after_patch():
     # Cohere copies config.logit_scale into the module when it is built: changing the config afterwards
-    # changes nothing in transformers' forward, and must change nothing in the patched one either
+    # changes nothing in transformers' forward, and must change nothing in the patched one either; changing
+    # the module's own copy changes both, and the unpatched scoring path too
     config = transformers.CohereConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -150,6 +151,20 @@ def test_a_scale_the_model_kept_from_construction_is_followed_when_its_config_ch
     got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(got.loss, want.loss, **TOL)
     assert_same_grads(got_grads, want_grads)
+    unpatched = copy.deepcopy(reference)
+    before = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    for model in (reference, patched, unpatched):
+        model.logit_scale = 40.0  # the copy the forward reads (the tiny model's logits are ~0.05)
+    want, want_grads = loss_and_grads(reference, input_ids=ids, attention_mask=mask, labels=labels)
+    got, got_grads = loss_and_grads(patched, input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(want.loss.item() - before.item()) > 0.01  # the change matters to transformers' loss
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    assert_same_grads(got_grads, want_grads)
+    logits = reference(ids, attention_mask=mask).logits.double()
+    want_lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    for model in (patched, unpatched):
+        lp = hf.token_logprobs(model, ids, attention_mask=mask)
+        torch.testing.assert_close(lp[:, 1:][mask[:, 1:] == 1].double(), want_lp[mask[:, 1:] == 1], **TOL)
 
 
 def test_a_config_changed_after_patch_to_what_lmloss_cannot_check_or_compute_is_refused_at_the_forward():

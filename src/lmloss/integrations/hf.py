@@ -96,7 +96,13 @@ class _PatchState:
 
 
 def _config_value(model: torch.nn.Module, field: str) -> Any:
-    """`field` from the model's config, else from its text config (VLMs keep the LM's fields there)."""
+    """`field` where the model's forward reads it: a number the model keeps as its own attribute (Cohere and
+    the Granite MoE models copy ``config.logit_scale`` / ``logits_scaling`` into the module when it is built,
+    and their forward reads that copy), else its config, else its text config (VLMs keep the LM's fields
+    there)."""
+    own = model.__dict__.get(field)  # a plain attribute (parameters, buffers and submodules live elsewhere)
+    if isinstance(own, (int, float)) and not isinstance(own, bool):
+        return own
     config = model.config
     value = getattr(config, field, None)
     if value is None and hasattr(config, "get_text_config"):
@@ -180,8 +186,9 @@ def _settled_transform(model: torch.nn.Module, state: _PatchState) -> HeadTransf
     """The transform the fused loss runs, for the config as it is now (called inside the root forward).
 
     Models read these fields at different times: Gemma's forward reads ``config.final_logit_softcapping``
-    at every call, Cohere copies ``config.logit_scale`` into the module when it is built and ignores later
-    changes. So when the config announces another transform than at the last check, the check `patch` runs
+    at every call, Cohere copies ``config.logit_scale`` into the module when it is built and reads that copy
+    (`_config_value` reads it there too). So when the fields announce another transform than at the last
+    check, the check `patch` runs
     (one 8-token forward in eval mode, no gradient) runs again, once per change, and the patch takes the
     transform the model's own forward now applies: the new one, else the one it had. Raises ValueError
     (naming the class, the change and the reason) when it is neither, when the new value is one lmloss
