@@ -9,6 +9,8 @@ verl is not installed). The references are verl's functions called on the same t
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -225,11 +227,11 @@ IS_CASES = [("token", 1.2), ("token", "0.8_1.2"), ("sequence", 1.2), ("sequence"
 IS_IDS = ["token-tis", "token-icepop", "sequence-tis", "sequence-icepop"]
 
 
-def _lmloss_is_weights(current, rollout, mask, level, threshold):
+def _lmloss_is_weights(current, rollout, mask, level, threshold, **kw):
     if isinstance(threshold, str):
         lower, upper = (float(v) for v in threshold.split("_"))
-        return lmloss.rl.masked_is_weights(current, rollout, mask, lower=lower, upper=upper, level=level)
-    return lmloss.rl.truncated_is_weights(current, rollout, mask, cap=threshold, level=level)
+        return lmloss.rl.masked_is_weights(current, rollout, mask, lower=lower, upper=upper, level=level, **kw)
+    return lmloss.rl.truncated_is_weights(current, rollout, mask, cap=threshold, level=level, **kw)
 
 
 def _near(x, seed):
@@ -259,12 +261,7 @@ def test_batch_normalized_rollout_correction_weights_equal_verl(level, threshold
         log_ratio=old - rollout, response_mask=mask, rollout_is=level, rollout_is_threshold=threshold,
         rollout_is_batch_normalize=True,
     )  # fmt: skip
-    if isinstance(threshold, str):
-        lower, upper = (float(v) for v in threshold.split("_"))
-        got = lmloss.rl.masked_is_weights(old, rollout, mask, lower=lower, upper=upper, level=level,
-                                          batch_normalize=True)  # fmt: skip
-    else:
-        got = lmloss.rl.truncated_is_weights(old, rollout, mask, cap=threshold, level=level, batch_normalize=True)
+    got = _lmloss_is_weights(old, rollout, mask, level, threshold, batch_normalize=True)
     torch.testing.assert_close(got, want, **REL)
     assert abs(metrics["rollout_is_batch_norm_factor"] - 1) > 1e-3  # the normalization changes the weights
     packed = lmloss.rl.truncated_is_weights(
@@ -354,3 +351,56 @@ def test_bypass_mode_is_a_composition(loss_type, level, threshold, agg):
         )
     torch.testing.assert_close(got, want, **REL)
     torch.testing.assert_close(_grad(got, lp), _grad(want, lp), **REL)
+
+
+def _random_rollout_case(seed):
+    """A random batch (shape, dtype, drift, mask with empty rows) for the rollout-correction fuzz tests."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    b, t = rnd.randint(1, 6), rnd.randint(1, 9)
+    dtype = rnd.choice([torch.float64, torch.float32])
+    old = (-torch.rand(b, t, generator=g, dtype=torch.float64) * 4).to(dtype)
+    drift = rnd.choice([0.01, 0.1, 0.5, 3.0])
+    rollout = (old.double() + drift * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
+    mask = torch.rand(b, t, generator=g) > rnd.random()
+    mask[0, 0] = True
+    return rnd, old, rollout, mask
+
+
+@pytest.mark.parametrize("seed", range(0, 400, 50))
+def test_rejection_mask_equals_verl_on_random_batches_and_chains(seed):
+    for case in range(seed, seed + 50):
+        rnd, old, rollout, mask = _random_rollout_case(case)
+        criteria = rnd.sample(lmloss.rl.REJECTION_CRITERIA, rnd.randint(1, 3))
+        spec = ",".join(
+            rnd.choice(["0.5_2", "0.9_1.1", str(rnd.uniform(1.01, 3))]) if c.endswith("k1")
+            else str(round(rnd.uniform(0.001, 1.0), 4))
+            for c in criteria
+        )  # fmt: skip
+        want, _ = verl.rollout_corr_helper.compute_rollout_rejection_mask(
+            log_ratio=old - rollout, response_mask=mask, rollout_rs=",".join(criteria), rollout_rs_threshold=spec
+        )
+        got = lmloss.rl.rejection_mask(old, rollout, mask, rollout_rs=",".join(criteria), rollout_rs_threshold=spec)
+        assert torch.equal(got, want.bool()), (case, criteria, spec)
+
+
+def test_batch_normalized_is_weights_equal_verl_on_random_batches():
+    compared = 0
+    for case in range(300):
+        rnd, old, rollout, mask = _random_rollout_case(case)
+        level = rnd.choice(["token", "sequence"])
+        threshold = rnd.choice([1.2, 2.0, "0.8_1.2", "0.5_2.0", 5.0])
+        try:
+            want, _ = verl.rollout_corr_helper.compute_rollout_correction_weights(
+                log_ratio=old - rollout, response_mask=mask, rollout_is=level, rollout_is_threshold=threshold,
+                rollout_is_batch_normalize=True,
+            )  # fmt: skip
+        except ZeroDivisionError:  # verl's metrics where every IcePop weight is 0; lmloss returns the zeros
+            got = _lmloss_is_weights(old, rollout, mask, level, threshold, batch_normalize=True)
+            assert isinstance(threshold, str) and not got.any()
+            continue
+        got = _lmloss_is_weights(old, rollout, mask, level, threshold, batch_normalize=True)
+        tol = REL if old.dtype == torch.float64 else dict(rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(got, want.to(got.dtype), **tol)
+        compared += 1
+    assert compared > 250
