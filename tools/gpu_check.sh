@@ -7,7 +7,8 @@
 #   1. versions; 2. tools/gpu_tune.py (the one-kernel loss's launch configurations, then `lmloss bench` on
 #   the issue's shapes and the kernel profile, JSON); 3. the Triton kernel tests on the GPU (interpreter
 #   off); 4. why `make venv` cannot install offline there (pip's own words); 5. the test suite on the
-#   machine's torch for whatever time is left (a smoke run: -x, stopped by its time box).
+#   machine's torch for whatever time is left (a smoke run: -x, stopped by its time box). Between 2 and 3:
+#   tools/gpu_invariant.py (invariant=True's bits on the GPU and its cost, OUT/invariant.json).
 # Each step has a time box; a failed step is logged and the next one runs.
 set -u
 OUT=${OUT:-out/gpu}
@@ -29,6 +30,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 
 say "tune, bench, profile"
 timeout "$TUNE_S" python3 tools/gpu_tune.py "$OUT" || say "gpu_tune: exit $?"
+
+say "invariant=True: bits and cost (tools/gpu_invariant.py)"
+timeout "${INVARIANT_S:-120}" python3 tools/gpu_invariant.py --device cuda --out "$OUT" || say "gpu_invariant: exit $?"
 
 say "Triton kernel tests on the GPU"
 {
