@@ -270,7 +270,8 @@ def _exact_kl(z, z_ref, cap, t):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
 @pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
-def test_full_kl_in_the_fused_policy_loss_matches_float64(softcap, loss_mode, impl):
+@pytest.mark.parametrize("entropy_coeff", [0.01, 0.0], ids=["entropy", "no-entropy"])
+def test_full_kl_in_the_fused_policy_loss_matches_float64(entropy_coeff, softcap, loss_mode, impl):
     """``kl_loss_type="full"`` with the reference head: the KL term is the exact per-token KL(pi || pi_ref)
     over the vocabulary (float64 here), aggregated like the other terms; hidden and weight gradients
     equal autograd's through it (gspo: the two-pass path)."""
@@ -281,7 +282,7 @@ def test_full_kl_in_the_fused_policy_loss_matches_float64(softcap, loss_mode, im
     labels = torch.randint(0, V, (N,), generator=g)
     labels[3] = -100
     cu = torch.tensor([0, 5, N])
-    opts = dict(loss_mode=loss_mode, kl_loss_type="full", kl_loss_coef=0.3, entropy_coeff=0.01, temperature=T,
+    opts = dict(loss_mode=loss_mode, kl_loss_type="full", kl_loss_coef=0.3, entropy_coeff=entropy_coeff, temperature=T,
                 softcap=softcap, cu_seqlens=cu if loss_mode == "gspo" else None)  # fmt: skip
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, metrics = lmloss.rl.linear_policy_loss(

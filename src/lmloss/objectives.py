@@ -288,6 +288,8 @@ class SoftmaxObjective:
             return None, torch.stack([g_kl, stats["kl"]], dim=1)
 
         out = sink.buffer(s, e, x)
+        if self._kl_by_difference(kernels, x, xt, state["reference"]):
+            return self._with_reference_by_difference(s, e, x, xt, kernels, sink, labels, stats, both[c:], out)
         if "kl_grad" not in state:
             state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)
         kl_grad = state["kl_grad"][:c]
@@ -300,6 +302,39 @@ class SoftmaxObjective:
             entropy = stats.get("entropy") if grads.get("entropy") is not None else None
             kernels.softmax_grad_(x, labels, stats["lse"], entropy, coef, plan.math, out, uniform_term=False)
         out.add_(kl_grad)
+        sink.consume(s, e, out)
+        return stats
+
+    def _kl_by_difference(self, kernels, x, xt, reference_source) -> bool:
+        """Whether the KL can ride the policy's gradient pass (kernels that offer it, no softcap, both chunks
+        in the compute dtype and the reference's the caller's scratch)."""
+        return (
+            hasattr(kernels, "softmax_grad_with_difference_") and not self.plan.math.softcap
+            and x.dtype == xt.dtype == compute_dtype(x.dtype) and getattr(reference_source, "owns_chunks", False)
+        )  # fmt: skip
+
+    def _with_reference_by_difference(self, s, e, x, xt, kernels, sink, labels, stats, ref_combined, out) -> dict:
+        """`_with_reference`'s gradient in one pass with the policy's: ``KL = scale * sum p (x - x_ref) - (lse -
+        lse_ref)`` (one SUM of this shard's sums), and its gradient ``g p (scale (x - x_ref) - (lse - lse_ref) -
+        KL)``: the ``- g (lse - lse_ref + KL) p`` part joins the softmax gradient's ``a`` coefficient, the rest
+        is the kernels' difference term (`softmax_grad_with_difference_`). No log-softmax buffers, no
+        separate KL gradient."""
+        plan = self.plan
+        shift = stats["lse"] - _lse(ref_combined)  # lse - lse_ref
+
+        def finish_kl(sums):
+            stats["kl"] = plan.math.scale * all_reduce_sum_(sums, plan.tp_group) - shift
+            grads, stats["objective"] = self.upstream(s, e, stats)
+            g_kl = grads.get("kl")
+            g_kl = torch.zeros_like(stats["kl"]) if g_kl is None else g_kl.to(stats["kl"].dtype)
+            coef = grad_coefficients(plan, labels, stats["lse"], grads)
+            if coef is None:
+                coef = torch.zeros((e - s, 4), dtype=stats["lse"].dtype, device=stats["lse"].device)
+            coef[:, 0] -= g_kl * (shift + stats["kl"])
+            entropy = stats.get("entropy") if grads.get("entropy") is not None else None
+            return coef, g_kl * plan.math.scale, entropy
+
+        kernels.softmax_grad_with_difference_(x, labels, xt, stats["lse"], plan.math, finish_kl, out, uniform_term=False)
         sink.consume(s, e, out)
         return stats
 

@@ -70,7 +70,10 @@ the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), w
 calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
 scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`
 and `lmloss.kernels.triton_distill` (``normalises_rows``: whether ``lse=None`` is supported; PyTorch only).
-A sparse teacher needs only the single-distribution contract above.
+A sparse teacher needs only the single-distribution contract above. PyTorch only, where an objective
+finds it (``hasattr``): ``softmax_grad_with_difference_(x, labels, z, lse, math, finish, out)``, the
+policy's softmax gradient with the full KL to a reference chunk ``z`` in the same pass (no softcap; see its
+docstring), which the RL objective uses instead of the divergence kernels when present.
 
 Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softmax_grad_`` and
 ``partials_then_grad_`` take an optional ``keep_min [c]`` (y's dtype). A valid column with

@@ -53,6 +53,46 @@ class TorchDistillKernels(TorchKernels):
             self._grad(state, coef, math_, beta, out)
         return result
 
+    def softmax_grad_with_difference_(self, x, labels, z, lse, math_: ChunkMath, finish, out, *,
+                                      uniform_term: bool = True):  # fmt: skip
+        """One distribution's gradient (`softmax_grad_`'s) plus a term against a second chunk `z` of the same
+        columns: ``q = p * (x - z)`` with ``p = softmax(y)`` (``y = scale * x``, no softcap; `lse` the row's
+        global log-sum-exp), its row sums over the valid columns, then ``coef, z_coef, entropy =
+        finish(sums)`` (the TP SUM and the objective's upstream; `entropy` H, or None where ``coef[:, 3]`` is
+        0), then ``out = dy/dx * (p (d (log p + H) + a) + z_coef * q) + b onehot + c``. The full KL to a reference policy in the gradient pass of the policy's
+        own softmax: ``KL(p || p_ref) = scale * sum p (x - x_ref) - (lse - lse_ref)``, whose gradient is
+        ``p (scale (x - x_ref) - (lse - lse_ref) - KL)``: the elementwise difference of the logits (small
+        where the policies are close, so the sum keeps its precision) instead of two log-softmaxes.
+
+        `z`: fp32 / fp64 in x's compute dtype, the caller's scratch (overwritten with ``q``); `out`: as in
+        `softmax_grad_` (may be `x`). Returns the row sums ``[c]`` (this shard's)."""
+        if math_.softcap:
+            raise ValueError("softmax_grad_with_difference_ takes no softcap (dy/dx would not be the scale)")
+        n_valid, rows = math_.valid, x.shape[0]
+        acc = compute_dtype(x.dtype)
+        in_out = out.dtype == acc
+        xv, q = x[:, :n_valid], z[:, :n_valid]
+        torch.sub(xv, q, out=q)  # before `out` (maybe x) changes
+        work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
+        transform_into(work, xv, math_, aliased=in_out and out is x, shift=lse)  # log p
+        p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
+        with serial_row_reductions(rows, x.device):
+            sums = q.mul_(p).sum(dim=-1)
+        coef, z_coef, entropy = finish(sums)
+        a, d = coef[:, 0:1], coef[:, 3:4]
+        if entropy is not None:
+            work.clamp_(min=_FP32_MIN)  # -inf logits: p = 0, and 0 * (log p + H) must be 0
+            work.add_(entropy[:, None]).mul_(p).mul_(d).addcmul_(p, a)
+        else:
+            torch.mul(p, a, out=work)
+        work.addcmul_(q, z_coef[:, None].to(work.dtype))
+        # a row whose z term alone is nonzero is active: the inactive-row mask reads the coefficients
+        self._finish_grad_(work, None, labels, torch.cat([coef, z_coef[:, None]], dim=1), math_, uniform_term)
+        if not in_out:
+            out[:, :n_valid].copy_(work)
+        out[:, n_valid:].zero_()
+        return sums
+
     # -- the math
 
     def _log_softmax(self, name: str, x, lse_col, math_: ChunkMath, overwrite: bool) -> torch.Tensor:

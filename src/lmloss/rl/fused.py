@@ -280,9 +280,9 @@ def linear_policy_loss(
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("logprobs", "entropy") if with_entropy else ("logprobs",), checks=checks, agree={"op": 4},
         # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
-        # both heads' chunks and the KL's gradient (Triton); PyTorch: those, its two log-softmaxes and two
-        # work buffers, all fp32
-        **(dict(bytes_per_logit=32, chunk_buffers=3) if kl_loss_type == "full" else {}),
+        # both heads' chunks and the KL's gradient (Triton); PyTorch: both heads' chunks, p and a work buffer
+        # (and the exps with an entropy gradient), all fp32
+        **(dict(bytes_per_logit=20, chunk_buffers=3) if kl_loss_type == "full" else {}),
         invariant=invariant,
     )  # fmt: skip
     objective, x, mask = state["objective"], state["x"], state["mask"]
