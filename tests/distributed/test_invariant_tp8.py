@@ -25,7 +25,7 @@ def worker(rank: int, world: int) -> dict:
     group = dist.new_group(list(range(world)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sampling.KeptSetWarning)
-        return inv.cases(inv.data(), rank, world, group, 5)
+        return inv.cases(inv.data(), rank, world, group, 48)  # two chunks: the collectives of 8 ranks on 2 cores are the cost
 
 
 @pytest.fixture(scope="module")
