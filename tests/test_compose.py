@@ -341,3 +341,26 @@ def test_full_kl_arguments_are_checked_naming_them():
                                      ref_hidden=hidden, ref_weight=weight, top_k=5)  # fmt: skip
     with pytest.raises(ValueError, match="kl_loss_type='full'"):
         lmloss.rl.policy_loss(old, old, adv, torch.ones(N, dtype=torch.bool), kl=old)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_full_kl_with_a_non_finite_reference_at_an_ignored_token_leaves_the_gradients_untouched(impl):
+    """An ignored token (label -100) whose reference row is NaN or inf adds nothing: the loss and every
+    gradient equal those with a finite reference row there."""
+    hidden, weight, adv, old, _, g = _problem(17, torch.float32)
+    r_hidden, r_weight = torch.randn(N, 5, generator=g), torch.randn(V, 5, generator=g)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[2] = -100
+    outs = []
+    for bad in (0.0, math.nan, math.inf):
+        rh = r_hidden.clone()
+        rh[2] = bad
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = lmloss.rl.linear_policy_loss(h, w, labels, old, adv, ref_hidden=rh, ref_weight=r_weight,
+                                               kl_loss_type="full", kl_loss_coef=0.3, temperature=T, impl=impl)  # fmt: skip
+        loss.backward()
+        outs.append((loss.detach(), h.grad, w.grad))
+    for got in outs[1:]:
+        for a, b in zip(got, outs[0]):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

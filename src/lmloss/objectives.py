@@ -330,7 +330,8 @@ class SoftmaxObjective:
             coef = grad_coefficients(plan, labels, stats["lse"], grads)
             if coef is None:
                 coef = torch.zeros((e - s, 4), dtype=stats["lse"].dtype, device=stats["lse"].device)
-            coef[:, 0] -= g_kl * (shift + stats["kl"])
+            # where(), not a multiply: a row without gradient (an ignored token) whose reference is NaN stays 0
+            coef[:, 0] -= torch.where(g_kl != 0, g_kl * (shift + stats["kl"]), 0.0)
             entropy = stats.get("entropy") if grads.get("entropy") is not None else None
             return coef, g_kl * plan.math.scale, entropy
 
