@@ -34,6 +34,7 @@ from lmloss.rl.aggregation import (
     check_packed_cu_seqlens,
     group_size,
     sequence_index,
+    sequence_sums,
     token_weights,
 )
 from lmloss.vocab_parallel import ProcessGroup, agree_over_group
@@ -458,37 +459,6 @@ class PerToken:
         )
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """SUM over `group`; the backward sums the gradients over it too (each rank's input feeds every
-    rank's output)."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _sequence_sums(
-    columns: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group: ProcessGroup | None
-) -> torch.Tensor:
-    """Each token's sequence's column sums ``[N, k]``. Under CP each rank holds part of every sequence:
-    the per-sequence sums are summed over `cp_group` (a differentiable all-reduce, so a sum's gradient
-    reaches every rank's tokens)."""
-    sums = torch.zeros((n_seq, columns.shape[1]), dtype=columns.dtype, device=columns.device)
-    sums = sums.index_add(0, seq, columns)
-    if group_size(cp_group) > 1:
-        sums = _AllReduceSum.apply(sums, cp_group)
-    return sums[seq]
-
-
 # ----------------------------------------------------------------------------------- batch statistics
 
 #: The fields of `covariance_selection`'s agreement vector (``n``, ``sum_a``, ``sum_lp``: this rank's).
@@ -729,9 +699,7 @@ def off_policy_sequence_mask(
                          floats=("threshold",), error=error, like=logprobs)  # fmt: skip
     diff = torch.nan_to_num(sampling_logprobs.detach() - lp.detach(), nan=0.0).reshape(-1)
     cols = torch.stack([torch.where(valid, diff, 0.0), valid.to(diff.dtype)], dim=1)
-    sums = torch.zeros((n_seq, 2), dtype=diff.dtype, device=diff.device).index_add_(0, seq, cols)
-    if group_size(cp_group) > 1:
-        dist.all_reduce(sums, group=cp_group)
+    sums = sequence_sums(cols, seq, n_seq, cp_group)
     seq_kl = (sums[:, 0] / sums[:, 1].clamp(min=1.0))[seq]
     keep = (advantages.detach().reshape(-1) >= 0) | (seq_kl <= threshold)
     return (keep & valid).view(shape)
@@ -935,7 +903,7 @@ def policy_loss(
             need=f"loss_mode={loss_mode!r}",
         )
         columns = objective.sequence_columns(lp, x.old_logprobs, x.advantages, x.mask, x.rollout_is_weights)
-        seq_sums = _sequence_sums(columns, seq, n_seq, cp_group)
+        seq_sums = sequence_sums(columns, seq, n_seq, cp_group)[seq]
     selected = x.cov_selection
     if objective.loss_mode in SELECTION_MODES and selected is None:
         selected = covariance_selection(

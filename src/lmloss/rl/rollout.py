@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
-from lmloss.rl.aggregation import DTYPE_CODES, SEQ_LEN_EPS, check_mask, group_size, sequence_index
+from lmloss.rl.aggregation import (
+    DTYPE_CODES,
+    SEQ_LEN_EPS,
+    check_mask,
+    group_size,
+    sequence_index,
+    sequence_sums,
+)
 from lmloss.rl.objectives import LOG_RATIO_CLAMP, check_per_token
 from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
 
@@ -60,14 +67,6 @@ def _agree(group, what: str, fields, local: dict, error: BaseException | None, l
     if group_size(group) > 1:
         agree_over_group(group, what, fields, local, per_rank=per_rank, floats=("cap", "lower", "upper"),
                          error=error, like=like)  # fmt: skip
-
-
-def _sequence_sums(cols: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group) -> torch.Tensor:
-    """``[n_seq, C]`` per-sequence sums of the token columns ``cols`` ``[N, C]``, summed over `cp_group`."""
-    sums = torch.zeros((n_seq, cols.shape[1]), dtype=cols.dtype, device=cols.device).index_add_(0, seq, cols)
-    if group_size(cp_group) > 1:  # a sequence's pieces on the CP ranks
-        all_reduce_sum_(sums, cp_group)
-    return sums
 
 
 def _is_weights(
@@ -111,7 +110,7 @@ def _is_weights(
     log_ratio = torch.where(valid, (old_logprobs.detach() - rollout_logprobs.detach()).reshape(-1), 0.0)
     lengths = None
     if level == "sequence":
-        sums = _sequence_sums(torch.stack([log_ratio, valid.to(log_ratio.dtype)], dim=1), seq, n_seq, cp_group)
+        sums = sequence_sums(torch.stack([log_ratio, valid.to(log_ratio.dtype)], dim=1), seq, n_seq, cp_group)
         log_ratio, lengths = sums[:, 0][seq], sums[:, 1]
     w = torch.where(valid, weigh(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()), 0.0)
     if batch_normalize:
@@ -322,7 +321,7 @@ def rejection_mask(
     if per_sequence:  # every sum and count in one all-reduce, every max in another
         zero = torch.zeros_like(r)
         cols = [valid.to(r.dtype)] + [torch.where(valid, estimates[k], zero) for k in ("k1", "k2", "k3")]
-        sums = _sequence_sums(torch.stack(cols, dim=1), seq, n_seq, cp_group)
+        sums = sequence_sums(torch.stack(cols, dim=1), seq, n_seq, cp_group)
         maxes = torch.full((n_seq, 2), -math.inf, dtype=r.dtype, device=r.device)
         for j, k in enumerate(("k2", "k3")):  # k2, k3 >= 0: an empty sequence's max is 0, as verl's
             maxes[:, j] = maxes[:, j].scatter_reduce(0, seq, torch.where(valid, estimates[k], zero), "amax")
