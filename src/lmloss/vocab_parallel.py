@@ -591,30 +591,34 @@ def agree_over_group(
         {k: struct.unpack("<d", struct.pack("<q", v))[0] if k in unbits else v for k, v in zip(fields, r[1:])}
         for r in rows
     ]
-    for k in fields:
-        if k in per_rank:
-            continue
-        seen = [r[k] for r in ranks]
-        if len(set(seen)) > 1:
-            raise RankAgreementError(
-                f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
-                f"same value, or they would compute inconsistent results or issue different collectives"
-            )
+    disagreement = _first_disagreement(ranks, fields, per_rank)
+    if disagreement is not None:
+        k, seen = disagreement
+        raise RankAgreementError(
+            f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
+            f"same value, or they would compute inconsistent results or issue different collectives"
+        )
     return ranks
+
+
+def _first_disagreement(ranks: list[dict], fields, per_rank) -> tuple[str, list] | None:
+    """The first of `fields` (not in `per_rank`) whose value differs between ranks, with every rank's value."""
+    for name in fields:
+        if name not in per_rank and len(set(values := [r[name] for r in ranks])) > 1:
+            return name, values
+    return None
 
 
 def _check_agreement(ranks: list[dict]) -> None:
     """Every field but the per-rank ones (and the labels, checked after the range) must be equal."""
-    for name in HOST_FIELDS:
-        if name in PER_RANK_FIELDS:
-            continue
-        values = [r[name] for r in ranks]
-        if len(set(values)) > 1:
-            raise RankAgreementError(
-                f"TP ranks disagree on {_SHOWN.get(name, name)}: per rank {values}. Every rank of tp_group must "
-                f"call the op with the same value, or they would issue different collectives or compute "
-                f"different results"
-            )
+    disagreement = _first_disagreement(ranks, HOST_FIELDS, PER_RANK_FIELDS)
+    if disagreement is not None:
+        name, values = disagreement
+        raise RankAgreementError(
+            f"TP ranks disagree on {_SHOWN.get(name, name)}: per rank {values}. Every rank of tp_group must "
+            f"call the op with the same value, or they would issue different collectives or compute "
+            f"different results"
+        )
 
 
 def _check_block_starts(starts: list[int], block: int) -> None:
