@@ -131,8 +131,7 @@ def _batch_mean(w, valid, seq, lengths, group) -> torch.Tensor:
         share = torch.where(valid, 1.0 / total.clamp(min=1.0), 0.0)
         seq_weight = w * total / (total + SEQ_LEN_EPS)  # verl: masked_mean over the sequence's tokens
         num_den = torch.stack([(share * seq_weight).sum(), share.sum()])
-    if group_size(group) > 1:
-        all_reduce_sum_(num_den, group)
+    all_reduce_sum_(num_den, group)
     mean = num_den[0] / num_den[1].clamp(min=1e-300)
     return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
