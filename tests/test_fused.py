@@ -112,13 +112,14 @@ def _ref_logits(h64, w64, b64, *, temperature, vocab_size):
 
 
 def _ref_outputs(x, labels, *, ignore_index, label_smoothing=0.0, z_loss=0.0):
-    """Per-token logprobs (0 where ignored), entropy (everywhere) and cross-entropy (0 where ignored)."""
+    """Per-token logprobs, entropy and cross-entropy, each 0 where the label is ignored (an ignored token
+    counts for nothing: none of its outputs, no gradient)."""
     logp = torch.log_softmax(x, dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)
     picked = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     logprobs = torch.where(valid, picked, 0.0)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
     loss = (1 - label_smoothing) * -picked + label_smoothing * -logp.mean(-1)
     loss = loss + z_loss * torch.logsumexp(x, dim=-1) ** 2
     loss = torch.where(valid, loss, 0.0)

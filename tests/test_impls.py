@@ -63,9 +63,11 @@ def _ref_logprobs(y64, labels):
     return torch.where(valid, picked, 0.0)
 
 
-def _ref_entropy(y64):
+def _ref_entropy(y64, labels=None):
+    """Entropy of softmax(y); with `labels` (token_logprobs' entropy), 0 where they are ignored."""
     logp = torch.log_softmax(y64, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return entropy if labels is None else torch.where(labels != IGNORE, entropy, 0.0)
 
 
 def _ref_cross_entropy(y64, labels, *, reduction, label_smoothing=0.0, z_loss=0.0):
@@ -173,7 +175,7 @@ def test_token_logprobs_with_entropy_match_float64(case, impl, dtype):
 
     leaf64 = _leaf64(leaf)
     y64 = _scaled_ref(view(leaf64), options)
-    ref_lp, ref_h = _ref_logprobs(y64, labels), _ref_entropy(y64)
+    ref_lp, ref_h = _ref_logprobs(y64, labels), _ref_entropy(y64, labels)
     (ref_lp * up_lp + ref_h * up_h).sum().backward()
 
     assert logprobs.dtype == entropy.dtype == torch.float32
@@ -380,7 +382,7 @@ def test_linear_token_logprobs_with_entropy_match_float64(impl, dtype):
 
     refs, z64 = _fused_ref(h, w, b)
     y64 = _scaled_ref(z64, options)
-    ref_lp, ref_h = _ref_logprobs(y64, labels), _ref_entropy(y64)
+    ref_lp, ref_h = _ref_logprobs(y64, labels), _ref_entropy(y64, labels)
     (ref_lp * up_lp.double() + ref_h * up_h.double()).sum().backward()
 
     torch.testing.assert_close(logprobs.double(), ref_lp, **VALUE_TOL)

@@ -405,7 +405,7 @@ def test_token_logprobs_and_entropy_match_log_softmax_of_transformers_logits():
     logits = reference(ids, attention_mask=mask).logits.float() / T
     logp = logits[:, :-1].log_softmax(-1)
     want_lp = logp.gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]  # padding is not scored
-    want_ent = -(logp.exp() * logp).sum(-1)
+    want_ent = -(logp.exp() * logp).sum(-1) * mask[:, 1:]  # nor is its entropy (0, no gradient)
     want_lp = F.pad(want_lp, (1, 0))
     want_ent = F.pad(want_ent, (1, 0))
     reference.zero_grad()

@@ -86,14 +86,15 @@ def test_logprobs_entropy_and_losses_from_logits_are_the_same_bits_for_every_spl
         return lp, ent, ce, lmloss.token_entropy(x, chunk_size=chunk_size, **opts)
 
     lp, ent, ce, ent_alone = assert_invariant(per_token, (x, labels), chunks)
-    assert torch.equal(ent, ent_alone)
+    valid = labels != -100
+    # token_logprobs' entropy is token_entropy's bits where the token counts, and 0 where it is ignored
+    assert torch.equal(ent, torch.where(valid, ent_alone, 0.0))
     y = x.double() if opts["softcap"] is None else 8.0 * torch.tanh(x.double() / 8.0)
     y = y / 0.7
     lse = y.logsumexp(-1)
     logp = y - lse[:, None]
-    valid = labels != -100
     ref_lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
-    ref_ent = -(logp.exp() * logp).sum(-1)
+    ref_ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
     ref_ce = torch.where(valid, 0.9 * -ref_lp + 0.1 * -logp.mean(-1) + 1e-3 * lse**2, 0.0)
     for got, ref in ((lp, ref_lp), (ent, ref_ent), (ce, ref_ce)):
         assert got.dtype == torch.float32
@@ -118,7 +119,7 @@ def test_the_logits_gradient_of_a_row_is_the_same_bits_for_every_split(dtype):
     z = x.double().requires_grad_()
     logp = (z / 0.9).log_softmax(-1)
     lp = torch.where(labels != -100, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
-    ent = -(logp.exp() * logp).sum(-1)
+    ent = torch.where(labels != -100, -(logp.exp() * logp).sum(-1), 0.0)  # ignored tokens: 0, no gradient
     ((lp * up).sum() + 0.1 * (ent * up).sum()).backward()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(g.double(), z.grad, **tol)
@@ -234,7 +235,7 @@ def test_fused_logprobs_entropy_and_losses_are_the_same_bits_for_every_split(dty
     ref_lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
     tol = dict(rtol=1e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=0, atol=0.05)
     torch.testing.assert_close(lp.double(), ref_lp, **tol)
-    torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), **tol)
+    torch.testing.assert_close(ent.double(), torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0), **tol)
     torch.testing.assert_close(ce.double(), torch.where(valid, -0.95 * ref_lp - 0.05 * logp.mean(-1), 0.0), **tol)
 
 

@@ -42,9 +42,12 @@ def _ref_logprobs(
     return torch.where(valid, picked, torch.zeros_like(picked))
 
 
-def _ref_entropy(x64: torch.Tensor, *, temperature=1.0, vocab_size=None):
+def _ref_entropy(x64: torch.Tensor, *, temperature=1.0, vocab_size=None, labels=None, ignore_index=-100):
+    """The entropy of softmax(x / T) in fp64; with `labels` (token_logprobs' entropy), 0 where they are
+    ignored: an ignored token counts for nothing, its entropy included."""
     logp = torch.log_softmax(x64[..., :vocab_size] / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return entropy if labels is None else torch.where(labels != ignore_index, entropy, 0.0)
 
 
 def _leaf64(logits: torch.Tensor) -> torch.Tensor:
@@ -156,7 +159,7 @@ def test_mean_cross_entropy_with_an_ignore_index_inside_the_vocabulary_divides_b
     torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
 
 
-def test_return_entropy_gives_differentiable_logprobs_and_unmasked_entropy_under_advantage_weights():
+def test_return_entropy_gives_differentiable_logprobs_and_entropy_that_is_zero_at_ignored_tokens():
     logits = _leaf(_logits((5, 7, 23)))
     labels = _labels((5, 7), 23, ignore_every=4)
     adv = torch.randn(5, 7, generator=_gen(4))  # per-token RL advantages
@@ -168,11 +171,13 @@ def test_return_entropy_gives_differentiable_logprobs_and_unmasked_entropy_under
 
     x64 = _leaf64(logits)
     ref_lp = _ref_logprobs(x64, labels, temperature=T)
-    ref_ent = _ref_entropy(x64, temperature=T)  # every position, ignored ones included
+    ref_ent = _ref_entropy(x64, temperature=T, labels=labels)  # 0 where ignored, with no gradient
     ((ref_lp * adv.double()).sum() + (ref_ent * ent_w.double()).sum()).backward()
 
     assert ent.dtype == torch.float32 and ent.shape == labels.shape
-    assert (ent[labels == -100] > 0).all()
+    ignored = labels == -100
+    assert ignored.any() and torch.equal(ent[ignored], torch.zeros_like(ent[ignored]))
+    assert torch.equal(logits.grad[ignored], torch.zeros_like(logits.grad[ignored]))
     torch.testing.assert_close(logp.double(), ref_lp.detach(), **FP32_TOL)
     torch.testing.assert_close(ent.double(), ref_ent.detach(), **FP32_TOL)
     torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
@@ -185,7 +190,7 @@ def test_return_entropy_with_only_one_output_used_gives_that_outputs_gradient(us
     logp, ent = lmloss.token_logprobs(logits, labels, chunk_size=4, return_entropy=True)
     (logp if used == "logprobs_only" else ent).sum().backward()
     x64 = _leaf64(logits)
-    (_ref_logprobs(x64, labels) if used == "logprobs_only" else _ref_entropy(x64)).sum().backward()
+    (_ref_logprobs(x64, labels) if used == "logprobs_only" else _ref_entropy(x64, labels=labels)).sum().backward()
     torch.testing.assert_close(logits.grad.double(), x64.grad, **FP32_TOL)
 
 
@@ -428,7 +433,7 @@ def test_padding_columns_are_excluded_from_every_output_and_get_zero_gradient():
 
     x64 = _leaf64(logits)
     r_lp = _ref_logprobs(x64, labels, vocab_size=vocab)
-    r_ent = _ref_entropy(x64, vocab_size=vocab)
+    r_ent = _ref_entropy(x64, vocab_size=vocab, labels=labels)
     r_ent2 = _ref_entropy(x64, vocab_size=vocab, temperature=0.6)
     real = x64[..., :vocab].reshape(-1, vocab)
     flat_labels = labels.reshape(-1)
@@ -468,7 +473,7 @@ def test_low_precision_logits_match_fp64_reference_of_the_same_values(dtype, gra
 
     x64 = _leaf64(logits)  # the exact low-precision values, upcast
     r_lp = _ref_logprobs(x64, labels, temperature=T)
-    r_ent = _ref_entropy(x64, temperature=T)
+    r_ent = _ref_entropy(x64, temperature=T, labels=labels)
     r_ce = F.cross_entropy((x64 / T).reshape(-1, 200), labels.reshape(-1), label_smoothing=0.1)
     ((r_lp * adv.double()).sum() + r_ent.sum() + r_ce).backward()
 
@@ -606,7 +611,7 @@ def test_float64_logits_are_computed_in_float64_and_pass_gradcheck():
     ref_lp = _ref_logprobs(x.detach(), labels, temperature=0.7)
     ref_ce = F.cross_entropy(x.detach() / 0.7, labels, label_smoothing=0.1)
     torch.testing.assert_close(logp, ref_lp, atol=1e-12, rtol=0)
-    torch.testing.assert_close(ent, _ref_entropy(x.detach(), temperature=0.7), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, _ref_entropy(x.detach(), temperature=0.7, labels=labels), atol=1e-12, rtol=0)
     torch.testing.assert_close(ce, ref_ce, atol=1e-12, rtol=0)
 
 

@@ -69,10 +69,11 @@ def test_logprobs_and_entropy_match_reference_for_random_inputs(case):
     r_logp = torch.where(
         valid, logp_all.gather(-1, torch.where(valid, labels, 0)[..., None]).squeeze(-1), 0.0
     )
-    r_ent = -(logp_all.exp() * logp_all).sum(-1)
+    r_ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0)  # an ignored token: 0, no gradient
     ((r_logp * w).sum() + (r_ent * w.flip(-1)).sum()).backward()
 
     assert torch.equal(logp[~valid], torch.zeros(int((~valid).sum())))
+    assert torch.equal(ent[~valid], torch.zeros(int((~valid).sum())))
     torch.testing.assert_close(logp.double(), r_logp.detach(), **TOL)
     torch.testing.assert_close(ent.double(), r_ent.detach(), **TOL)
     torch.testing.assert_close(x.grad.double(), x64.grad, **TOL)
@@ -151,5 +152,5 @@ def test_low_precision_values_match_fp64_reference_of_the_same_values(case, dtyp
     r_ent = -(logp_all.exp() * logp_all).sum(-1)
     # the math is fp32 on the exactly upcast inputs: fp32 rounding only
     torch.testing.assert_close(logp.double(), r_logp, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(ent.double(), r_ent, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), torch.where(valid, r_ent, 0.0), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(tent.double(), r_ent, atol=2e-5, rtol=1e-5)

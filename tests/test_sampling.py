@@ -70,8 +70,9 @@ def test_top_p_kept_set_over_a_wide_vocabulary_matches_the_reference():
     top_p = torch.linspace(0.05, 0.99, 16)
     y = logits.double() * 2.0  # temperature 0.5: exact in fp32
     ref = vllm_kept(y, top_p=top_p)
+    # the most likely token as each label (always kept): an ignored label would give the row 0 everywhere
     lp = lmloss.token_logprobs(
-        logits, torch.full((16,), -100), temperature=0.5, top_p=top_p, return_log_kept_mass=True
+        logits, logits.argmax(-1), temperature=0.5, top_p=top_p, return_log_kept_mass=True
     )
     # the kept mass pins the kept set down: log of the reference set's probability
     expected = torch.logsumexp(y.masked_fill(~ref, -INF), -1) - torch.logsumexp(y, -1)
@@ -79,15 +80,15 @@ def test_top_p_kept_set_over_a_wide_vocabulary_matches_the_reference():
 
 
 def reference_outputs(logits, labels, temperature, kept, ignore_index=-100):
-    """float64 log-probs and entropy of the renormalised kept set, and the logits' gradient of
-    ``sum(u * logprob) + sum(w * entropy)`` (dropped labels: no gradient)."""
+    """float64 log-probs and entropy of the renormalised kept set (both 0 at an ignored label), and the
+    logits' gradient of ``sum(u * logprob) + sum(w * entropy)`` (dropped labels: no gradient)."""
     x = logits.detach().double().requires_grad_()
     logp = (x / temperature).masked_fill(~kept, -INF).log_softmax(-1)
     valid = labels != ignore_index
     lp = logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
     lp = torch.where(valid, lp, 0.0)
     p = logp.exp()
-    ent = -(p * logp.masked_fill(~kept, 0.0)).sum(-1)
+    ent = torch.where(valid, -(p * logp.masked_fill(~kept, 0.0)).sum(-1), 0.0)
     return x, lp, ent
 
 
@@ -302,7 +303,7 @@ def test_top_p_finds_the_crossing_in_the_histogram_without_the_dense_fallback(ro
     top_k = torch.where(torch.arange(rows) % 3 == 0, vocab // 2, vocab)  # some rows cut before top-p
     y = logits.double() / 0.7
     before = sampling.FALLBACK_ROWS[0]
-    labels = torch.full((rows,), -100)
+    labels = logits.argmax(-1)  # always kept (an ignored label would make the row's every output 0)
     _, log_mass = lmloss.token_logprobs(
         logits, labels, temperature=0.7, top_p=top_p, top_k=top_k, return_log_kept_mass=True
     )

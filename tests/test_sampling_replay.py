@@ -34,9 +34,12 @@ def support_of(kept: torch.Tensor, generator: torch.Generator, width: int | None
 
 
 def reference(x: torch.Tensor, labels: torch.Tensor, kept: torch.Tensor, temperature: float):
+    """Log-probs and entropy of the renormalised kept set; both 0 where the label is ignored (a label outside
+    the set still counts: -inf, and the set's entropy)."""
     logp = (x.double() / temperature).masked_fill(~kept, -INF).log_softmax(-1)
-    lp = torch.where(labels != -100, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
-    return lp, -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1)
+    valid = labels != -100
+    lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    return lp, torch.where(valid, -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1), 0.0)
 
 
 def test_replay_from_logits_matches_the_float64_reference_and_the_recomputed_set():
@@ -108,11 +111,12 @@ def test_replay_returns_the_log_kept_mass_of_the_replayed_set():
     kept = kept_top_k(y, 30)
     support = support_of(kept, g, width=35)
     labels = support[:, 0].clone()
-    labels[4] = -100  # the kept mass is the row's, label or not
+    labels[4] = -100  # an ignored token counts for nothing: its kept mass too is 0
     lp, mass = lmloss.token_logprobs(
         logits, labels, temperature=t, softcap=cap, support=support, return_log_kept_mass=True, chunk_size=5
     )
     expected = torch.logsumexp(y.masked_fill(~kept, -INF), -1) - torch.logsumexp(y, -1)
+    expected[4] = 0.0
     torch.testing.assert_close(mass.double(), expected, rtol=0, atol=2e-6)
     assert lp.requires_grad and not mass.requires_grad  # the mass is not differentiable
 

@@ -18,6 +18,11 @@ REDUCTIONS = ("mean", "sum", "none")
 MIN_TEMPERATURE = 1e-6
 
 
+#: Float dtypes as they travel in the TP ranks' agreement vector (fp32 on one rank and fp64 on another would
+#: all-reduce partials of different sizes).
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -17,6 +17,7 @@ gradients. The loss Functions (`lmloss.functions`) run any head through the loop
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -24,16 +25,33 @@ import os
 import torch
 
 from lmloss.kernels import ChunkScratch, scale_, scaled_cast
+from lmloss.rows import Rows, RowSelection
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, reduce_scatter_rows, world_size
 
-#: Working-set budget for ``chunk_size="auto"`` (MiB); override with ``LMLOSS_CHUNK_BUDGET_MIB``.
-DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 64, "cuda": 2048}
+#: The memory budget (MiB) of an op: what it may allocate beyond its inputs and their gradients (chunks,
+#: scratch, accumulators). Override with ``LMLOSS_CHUNK_BUDGET_MIB`` or an op's ``memory_budget_mib=``.
+#: CUDA's covers a 128k x 4k bf16 head's fp32 weight-gradient accumulator (2 GiB) beside one chunk of 8192
+#: tokens: at that shape the fastest schedule; a smaller budget, or a larger head, takes the weight pass.
+DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 64, "cuda": 4096}
 
 
-def chunk_budget_mib(device: torch.device | str = "cpu") -> float:
-    """``LMLOSS_CHUNK_BUDGET_MIB`` if set (a positive number), else `DEFAULT_CHUNK_BUDGET_MIB` for the device
-    type. Read before the TP ranks' agreement gather, which carries it: ranks with different budgets would
-    cut different chunks and issue different collectives."""
+def check_memory_budget(memory_budget_mib: object) -> None:
+    """``memory_budget_mib``: None (the default budget) or a positive, finite number of MiB."""
+    if memory_budget_mib is None:
+        return
+    ok = isinstance(memory_budget_mib, (int, float)) and not isinstance(memory_budget_mib, bool)
+    if not ok or not 0 < memory_budget_mib < math.inf:
+        raise ValueError(f"memory_budget_mib must be None or a positive number of MiB, got {memory_budget_mib!r}")
+
+
+def chunk_budget_mib(device: torch.device | str = "cpu", memory_budget_mib: float | None = None) -> float:
+    """The op's memory budget in MiB: `memory_budget_mib` if given, else ``LMLOSS_CHUNK_BUDGET_MIB`` if set (a
+    positive number), else `DEFAULT_CHUNK_BUDGET_MIB` for the device type. Read before the TP ranks'
+    agreement gather, which carries it: ranks with different budgets would cut different chunks and issue
+    different collectives."""
+    if memory_budget_mib is not None:
+        check_memory_budget(memory_budget_mib)
+        return float(memory_budget_mib)
     text = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
     if text is None:
         return float(DEFAULT_CHUNK_BUDGET_MIB.get(torch.device(device).type, 96))
@@ -53,18 +71,101 @@ def auto_chunk_size(
     bytes_per_logit: float = 8,
     *,
     budget_mib: float | None = None,
+    bytes_per_row: float = 0,
 ) -> int:
     """Tokens per chunk for ``chunk_size="auto"``: as many as fit the op's per-chunk working set
-    (``bytes_per_logit`` per logit; 0: nothing chunk-sized, one chunk) in the budget (`chunk_budget_mib`
-    by default: 64 MiB on CPU, 2 GiB on CUDA). Rounded down to a multiple of 64 (matmul-friendly) when
-    >= 64; at least 1, at most `n_tokens`."""
-    if bytes_per_logit <= 0:
+    (``bytes_per_logit`` per logit, plus ``bytes_per_row`` per token; no bytes at all: one chunk) in the
+    budget (`chunk_budget_mib` by default: 64 MiB on CPU, 4 GiB on CUDA). Rounded down to a multiple of 64
+    (matmul-friendly) when >= 64; at least 1, at most `n_tokens`."""
+    if bytes_per_logit <= 0 and bytes_per_row <= 0:
         return max(n_tokens, 1)
     budget_mib = chunk_budget_mib(device) if budget_mib is None else budget_mib
-    rows = int(budget_mib * 2**20 // (bytes_per_logit * max(local_vocab, 1)))
+    return _rows_in(budget_mib * 2**20, bytes_per_logit * max(local_vocab, 1) + bytes_per_row, n_tokens)
+
+
+def _rows_in(budget_bytes: float, row_bytes: float, n_rows: int) -> int:
+    """Rows of `row_bytes` that fit `budget_bytes`: a multiple of 64 when >= 64, at least 1, at most `n_rows`."""
+    rows = int(max(budget_bytes, 0) // max(row_bytes, 1))
     if rows >= 64:
         rows -= rows % 64
-    return max(1, min(rows, max(n_tokens, 1)))
+    return max(1, min(rows, max(n_rows, 1)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the fused head's schedule under the budget
+
+#: The token pass keeps the fp32 weight-gradient accumulator only if what the budget leaves beside it holds
+#: chunks of at least this many tokens (or all of them): smaller chunks re-read the weight too often, and the
+#: weight pass (4 matmuls of full size instead of 3) is faster.
+MIN_ACCUMULATE_ROWS = {"cpu": 64, "cuda": 512}
+#: The weight pass's blocks of columns are at least this wide (or the whole shard), a multiple of 128.
+MIN_BLOCK_COLUMNS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSchedule:
+    """How a fused head computes within its budget (`fused_schedule`).
+
+    chunk_rows: tokens per chunk of the token pass (the forward, a per-token op's backward).
+    weight_block: 0: the weight gradient accumulates over the token pass's chunks (in an fp32 ``[V_local, H]``
+        accumulator for a bf16 / fp16 weight, unless one chunk holds every token: then it is written by one
+        GEMM). Else the local columns per block of a *weight pass* that writes the weight gradient block by
+        block, each from every token at once (`WeightBlocks`): no ``[V_local, H]`` buffer beyond the gradient.
+    weight_block_rows: tokens per chunk of the weight pass.
+    """
+
+    chunk_rows: int | None
+    weight_block: int = 0
+    weight_block_rows: int = 0
+
+
+def fused_schedule(
+    *, n_rows: int, local_vocab: int, hidden_width: int, device: torch.device | str, budget_mib: float,
+    bytes_per_logit: float, gather_bytes_per_row: float, accumulator_bytes: float, fixed_bytes: float,
+    chunk_size: int | None | str, weight_tile_bytes: float = 0,
+) -> FusedSchedule:  # fmt: skip
+    """The fused head's schedule (`FusedSchedule`) for `n_rows` counting tokens and a `local_vocab` x
+    `hidden_width` head within `budget_mib`, from agreed values only (every TP rank finds the same).
+
+    Costs in bytes: `bytes_per_logit` of a chunk's working set per logit; `gather_bytes_per_row` per token
+    of a chunk whose rows are gathered (``H`` of the hidden dtype); `accumulator_bytes` the fp32 weight-
+    gradient accumulator (0 when the weight's gradient needs none: an fp32 weight, a low-precision
+    accumulator by request, no weight gradient); `fixed_bytes` what the op holds whatever its chunks (an fp32
+    hidden-gradient sum under TP, a bias accumulator); `weight_tile_bytes` the fp32 tile of a weight gradient
+    written from fp32 d-logits (`write_weight_gradient_`). `chunk_size`: an int fixes the token pass's chunk
+    (the budget then decides only the weight gradient's schedule); None: one chunk; ``"auto"``: the budget.
+    """
+    budget = budget_mib * 2**20 - fixed_bytes
+    row_bytes = bytes_per_logit * max(local_vocab, 1) + gather_bytes_per_row
+    min_rows = min(max(n_rows, 1), MIN_ACCUMULATE_ROWS.get(torch.device(device).type, 64))
+    if chunk_size is None or chunk_size == "auto" and _rows_in(budget - weight_tile_bytes, row_bytes, n_rows) >= n_rows:
+        # one chunk holds every token: its weight gradient is one GEMM, no accumulator
+        return FusedSchedule(None if chunk_size is None else max(n_rows, 1))
+    if chunk_size == "auto":
+        rows = _rows_in(budget - accumulator_bytes, row_bytes, n_rows)
+        if accumulator_bytes == 0 or rows >= min_rows and rows * row_bytes + accumulator_bytes <= budget:
+            return FusedSchedule(rows)
+        chunk = _rows_in(budget, row_bytes, n_rows)
+    else:
+        chunk = int(chunk_size)
+        if accumulator_bytes == 0 or chunk >= n_rows or chunk * row_bytes + accumulator_bytes <= budget:
+            return FusedSchedule(chunk)
+    # the weight pass: blocks of columns over as many tokens at once as fit (all of them if possible)
+    block_acc = 4 * hidden_width  # the fp32 block accumulator's bytes per column, when a block takes chunks
+    narrow = min(local_vocab, MIN_BLOCK_COLUMNS)
+
+    def tile_bytes(rows, cols):
+        acc = cols * block_acc if rows < n_rows else min(weight_tile_bytes, cols * block_acc)
+        return rows * (cols * bytes_per_logit + gather_bytes_per_row) + acc
+
+    if tile_bytes(max(n_rows, 1), narrow) <= budget:
+        rows = max(n_rows, 1)
+        cols = (budget - rows * gather_bytes_per_row - weight_tile_bytes) // max(rows * bytes_per_logit, 1)
+        cols = int(min(local_vocab, max(narrow, cols - cols % 128)))
+    else:  # a block accumulator and some tokens: half the budget for each (a tiny budget: narrower blocks)
+        cols = max(1, min(narrow, int(budget / 2 // block_acc)))
+        rows = _rows_in(budget - cols * block_acc, cols * bytes_per_logit + gather_bytes_per_row, n_rows)
+    return FusedSchedule(chunk, max(cols, 1), rows)
 
 
 #: The invariant mode's GEMM tile per device type, ``(rows, weight rows)``: every logit of a fused op is made by
@@ -157,29 +258,42 @@ def chunk_dtype_for(weight: torch.Tensor, weight_grad_dtype: torch.dtype) -> tor
 # sources
 
 
+def _columns(t: torch.Tensor | None, cols: tuple[int, int] | None) -> torch.Tensor | None:
+    """Rows ``[c0, c1)`` of a weight ``[V_local, ...]`` or bias (the local columns of the logits), or all."""
+    return t if t is None or cols is None else t[cols[0] : cols[1]]
+
+
 class LogitRows:
-    """Chunk source over ``[N, V_local]`` logits: a row slice, made contiguous along the vocabulary if needed."""
+    """Chunk source over ``[N, V_local]`` logits: the chunk's rows (a slice, or a gathered copy of rows that
+    do not follow each other), made contiguous along the vocabulary if needed. It slices rather than
+    gathers (`lmloss.rows`): a gather copies the whole chunk."""
 
     owns_chunks = False
+    gathers_rows = False
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
-    def __call__(self, s: int, e: int) -> torch.Tensor:
-        x = self.logits[s:e]
+    def __call__(self, rows: Rows, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        x = rows.take(self.logits)
+        if cols is not None:
+            x = x[:, cols[0] : cols[1]]
         return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class HiddenRows:
-    """Chunk source: ``hidden[s:e] @ weight.T (+ bias)`` into one reused ``[chunk, V_local]`` buffer.
+    """Chunk source: ``hidden[rows] @ weight.T (+ bias)`` into one reused ``[chunk, V_local]`` buffer (or, in
+    a fused head's weight pass, ``[chunk, c1 - c0]`` for the local columns ``cols``).
 
     The chunk is made in the weight's dtype (a bf16 / fp16 GEMM accumulates in fp32 and rounds its output
     once) and, when `chunk_dtype` is fp32 (low-precision inputs whose d-logits must be fp32, see
     `chunk_dtype_for`), upcast into an fp32 buffer. The chunk is scratch the kernels may overwrite.
+    Rows that do not follow each other are gathered first (``[c, H]``: cheap beside the matmul).
     `name` keeps two heads' buffers apart in one scratch (a teacher beside the student).
     """
 
     owns_chunks = True
+    gathers_rows = True
 
     def __init__(
         self, hidden, weight, bias, scratch: ChunkScratch, chunk_dtype: torch.dtype, name: str = "",
@@ -187,19 +301,29 @@ class HiddenRows:
     ) -> None:  # fmt: skip
         self.hidden, self.weight, self.bias, self.scratch = hidden, weight, bias, scratch
         self.chunk_dtype, self.name, self.gemm_tile = chunk_dtype, name, gemm_tile
+        self._gathered: tuple[Rows, torch.Tensor] | None = None
 
-    def __call__(self, s: int, e: int) -> torch.Tensor:
-        v_local = self.weight.shape[0]
-        z = self.scratch.get(self.name + "logits_lowp", e - s, v_local, self.weight.dtype)
+    def hidden_rows(self, rows: Rows) -> torch.Tensor:
+        """The chunk's hidden rows (the last chunk's gather is kept for its sink: one gather per chunk)."""
+        if rows.contiguous:
+            return rows.take(self.hidden)
+        if self._gathered is None or self._gathered[0] is not rows:
+            self._gathered = (rows, rows.take(self.hidden))
+        return self._gathered[1]
+
+    def __call__(self, rows: Rows, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        weight, bias = _columns(self.weight, cols), _columns(self.bias, cols)
+        width, h = weight.shape[0], self.hidden_rows(rows)
+        z = self.scratch.contiguous(self.name + "logits_lowp", rows.count, width, self.weight.dtype)
         if self.gemm_tile is not None:  # the invariant mode: GEMMs of one fixed shape
-            tiled_linear(self.hidden[s:e], self.weight, self.bias, z, self.gemm_tile)
-        elif self.bias is None:
-            torch.mm(self.hidden[s:e], self.weight.t(), out=z)
+            tiled_linear(h, weight, bias, z, self.gemm_tile)
+        elif bias is None:
+            torch.mm(h, weight.t(), out=z)
         else:
-            torch.addmm(self.bias, self.hidden[s:e], self.weight.t(), out=z)
+            torch.addmm(bias, h, weight.t(), out=z)
         if self.chunk_dtype == z.dtype:
             return z
-        return self.scratch.get(self.name + "logits", e - s, v_local, self.chunk_dtype).copy_(z)
+        return self.scratch.contiguous(self.name + "logits", rows.count, width, self.chunk_dtype).copy_(z)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,69 +331,118 @@ class HiddenRows:
 
 
 class BufferSink:
-    """Gradient sink that is a preallocated ``[N, V]`` buffer: the kernel writes each chunk's rows."""
+    """Gradient sink that is a preallocated ``[N, V]`` buffer: the kernel writes each chunk's rows (a gathered
+    chunk's gradient is written over its own copy, then copied into its rows); rows that do not count are
+    zeroed once."""
 
-    def __init__(self, grad: torch.Tensor) -> None:
+    def __init__(self, grad: torch.Tensor, selection: RowSelection | None = None) -> None:
         self.grad = grad
+        if selection is not None:
+            selection.zero_skipped_(grad)
 
-    def buffer(self, s, e, x):
-        return self.grad[s:e]
+    def buffer(self, rows, x):
+        return self.grad[rows.start : rows.end] if rows.contiguous else x  # a gathered x is a fresh copy
 
-    def consume(self, s, e, grad):
-        pass
+    def consume(self, rows, grad):
+        if not rows.contiguous:
+            rows.put_(self.grad, grad)
 
 
 class InPlaceSink:
-    """Gradient sink that is the logits themselves: each chunk's gradient overwrites its logits."""
+    """Gradient sink that is the logits themselves: each chunk's gradient overwrites its logits (a gathered
+    chunk's is copied back into its rows); the rows that do not count are zeroed once."""
 
-    def buffer(self, s, e, x):
+    def __init__(self, logits: torch.Tensor, selection: RowSelection | None = None) -> None:
+        self.logits = logits
+        if selection is not None:
+            selection.zero_skipped_(logits)
+
+    def buffer(self, rows, x):
         return x
 
-    def consume(self, s, e, grad):
+    def consume(self, rows, grad):
+        if not rows.contiguous:
+            rows.put_(self.logits, grad)
+
+
+class DiscardSink:
+    """Gradient sink of a fused head's token pass when only the weight needs a gradient and a weight pass makes
+    it: the forward still forms each chunk's gradient coefficients (the weight pass reads them), the
+    d-logits are dropped."""
+
+    def buffer(self, rows, x):
+        return x
+
+    def consume(self, rows, grad):
         pass
+
+    def finish(self, hidden, weight, bias, tp_group, scale=None):
+        return None, None, None
 
 
 class Accumulators:
-    """Gradient sink of a fused head: chains each chunk's d-logits into hidden / weight / bias gradients.
+    """Gradient sink of a fused head's token pass: chains each chunk's d-logits into hidden / weight / bias
+    gradients.
 
-    hidden: ``[N, H]``, each row written once (hidden dtype; fp32 when TP ranks' partials are summed).
-    weight, bias: accumulated over chunks in `weight_grad_dtype`.
-    None where that input needs no gradient.
+    hidden: ``[N, H]``, each row written once (hidden dtype; fp32 when TP ranks' partials are summed over
+    ``tp_group`` here, without sequence parallelism); rows that do not count are zeroed.
+    weight, bias: accumulated over chunks in `weight_grad_dtype`, or, with `single_chunk` (the pass has one
+    chunk), the weight gradient written by one GEMM in the weight's dtype (the GEMM accumulates in fp32
+    and rounds once: no accumulator). None where that input needs no gradient, or where a weight pass
+    makes it (`WeightBlocks`).
     """
 
-    def __init__(self, hidden, weight, bias, needs, *, weight_grad_dtype, tp_summed, sequence_parallel, scratch):
+    def __init__(
+        self, hidden, weight, bias, needs, *, weight_grad_dtype, tp_summed, sequence_parallel, scratch,
+        selection: RowSelection | None = None, single_chunk: bool = False, hidden_rows=None,
+    ):  # fmt: skip
         self.hidden_in, self.weight_in, self.scratch = hidden, weight, scratch
+        # the chunk's hidden rows as the source gathered them (`HiddenRows.hidden_rows`)
+        self.hidden_rows = hidden_rows or (lambda rows: rows.take(hidden))
         self.sequence_parallel = sequence_parallel
-        h_dtype = torch.promote_types(hidden.dtype, torch.float32) if tp_summed else hidden.dtype
-        self.hidden = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device) if needs[0] else None
-        # not zero-filled: the first chunk's GEMM writes it with beta=0 (one plain GEMM for a single chunk)
-        self.weight = (
-            torch.empty(weight.shape, dtype=weight_grad_dtype, device=weight.device) if needs[1] else None
-        )
+        h_dtype = torch.promote_types(hidden.dtype, torch.float32) if tp_summed and not sequence_parallel else hidden.dtype
+        self.hidden = None
+        if needs[0]:
+            self.hidden = torch.empty(hidden.shape, dtype=h_dtype, device=hidden.device)
+            if selection is not None:
+                selection.zero_skipped_(self.hidden)
+        # one chunk: the weight's own dtype, one GEMM; else the accumulator's (fp32 by default)
+        self.single_chunk = single_chunk and weight_grad_dtype != torch.float64
+        w_dtype = weight.dtype if self.single_chunk else weight_grad_dtype
+        # not zero-filled: the first chunk's GEMM writes it with beta=0
+        self.weight = torch.empty(weight.shape, dtype=w_dtype, device=weight.device) if needs[1] else None
         self.weight_written = False
         self.bias = None
         if bias is not None and needs[2]:
             bias_dtype = torch.promote_types(bias.dtype, torch.float32)
             self.bias = torch.zeros(bias.shape, dtype=bias_dtype, device=bias.device)
 
-    def buffer(self, s, e, x):
+    def buffer(self, rows, x):
         return x  # the chunk is scratch (`chunk_dtype_for`): its d-logits overwrite it
 
-    def consume(self, s, e, dz):
-        rows, w = self.hidden_in[s:e], self.weight_in
+    def pass_done(self) -> None:
+        """The pass is over: let its chunk-sized scratch go (the gradients may wait for the backward)."""
+        self.scratch, self.hidden_rows = None, None
+
+    def _lowp(self, dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`dz` in `dtype` (the source's low-precision chunk buffer is free again once the chunk was upcast)."""
+        return dz if dz.dtype == dtype else self.scratch.contiguous("logits_lowp", *dz.shape, dtype).copy_(dz)
+
+    def consume(self, rows, dz):
+        w = self.weight_in
+        h_rows = self.hidden_rows(rows) if self.weight is not None else None
+        dz_w = self._lowp(dz, w.dtype) if self.hidden is not None else None
         if self.hidden is not None:
-            # the source's low-precision chunk buffer is free again once the chunk was upcast
-            dz_w = dz if dz.dtype == w.dtype else self.scratch.get("logits_lowp", *dz.shape, w.dtype).copy_(dz)
-            if self.hidden.dtype == w.dtype:
-                torch.mm(dz_w, w, out=self.hidden[s:e])
+            if self.hidden.dtype == w.dtype and rows.contiguous:
+                torch.mm(dz_w, w, out=self.hidden[rows.start : rows.end])
             else:  # the GEMM accumulates in fp32 internally; each hidden row comes from one GEMM
-                self.hidden[s:e] = torch.mm(dz_w, w)
+                rows.put_(self.hidden, torch.mm(dz_w, w))
         if self.weight is not None:
-            beta = 1.0 if self.weight_written else 0.0  # beta=0: the buffer's unset contents are not read
-            if dz.dtype == self.weight.dtype:
-                self.weight.addmm_(dz.t(), rows if rows.dtype == dz.dtype else rows.to(dz.dtype), beta=beta)
-            else:  # low-precision d-logits into the fp32 accumulator, on the tensor cores
-                torch.addmm(self.weight, dz.t(), rows, out_dtype=torch.float32, beta=beta, out=self.weight)
+            if self.single_chunk:  # the whole gradient at once, in the weight's dtype
+                write_weight_gradient_(self.weight, dz, h_rows)
+            else:
+                beta = 1.0 if self.weight_written else 0.0  # beta=0: the buffer's unset contents are not read
+                accumulate_(self.weight, dz, h_rows, beta)
             self.weight_written = True
         if self.bias is not None:
             self.bias.add_(dz.sum(dim=0, dtype=self.bias.dtype))
@@ -289,6 +462,73 @@ class Accumulators:
         if self.bias is not None:
             gb = scaled_cast(self.bias, scale, bias.dtype)
         return gh, gw, gb
+
+
+#: Weight rows per GEMM when fp32 d-logits of a low-precision weight are written straight into its gradient
+#: (`write_weight_gradient_`): the fp32 product of a tile is ``[tile, H]``, never ``[V_local, H]``.
+WEIGHT_TILE_ROWS = 1024
+
+
+def write_weight_gradient_(grad: torch.Tensor, dz: torch.Tensor, h_rows: torch.Tensor) -> None:
+    """``grad = dz.T @ h_rows`` over every row that counts at once, rounded once into `grad`'s dtype: one GEMM
+    when `dz` has that dtype (it accumulates in fp32 inside), else (fp32 d-logits of a low-precision weight)
+    one fp32 GEMM per tile of `WEIGHT_TILE_ROWS` weight rows, each rounded into its rows of `grad`."""
+    if dz.dtype == grad.dtype:
+        torch.mm(dz.t(), h_rows if h_rows.dtype == dz.dtype else h_rows.to(dz.dtype), out=grad)
+        return
+    h = h_rows.to(dz.dtype)
+    for r in range(0, grad.shape[0], WEIGHT_TILE_ROWS):  # tiles of one GEMM's output, not chunks of tokens
+        grad[r : r + WEIGHT_TILE_ROWS].copy_(dz[:, r : r + WEIGHT_TILE_ROWS].t() @ h)
+
+
+def accumulate_(acc: torch.Tensor, dz: torch.Tensor, h_rows: torch.Tensor, beta: float) -> None:
+    """``acc = beta * acc + dz.T @ h_rows``: in `acc`'s dtype, or, for low-precision d-logits into an fp32
+    `acc`, by a GEMM that accumulates into the fp32 buffer itself (CUDA, `gemm_accumulates_into_fp32`)."""
+    if dz.dtype == acc.dtype:
+        acc.addmm_(dz.t(), h_rows if h_rows.dtype == dz.dtype else h_rows.to(dz.dtype), beta=beta)
+    else:  # low-precision d-logits into the fp32 accumulator, on the tensor cores
+        torch.addmm(acc, dz.t(), h_rows, out_dtype=torch.float32, beta=beta, out=acc)
+
+
+class WeightBlocks:
+    """Gradient sink of a fused head's weight pass (`lmloss.plan.backward_pass` with ``columns``): the weight
+    gradient ``[V_local, H]`` in the weight's dtype, one block of rows ``[c0, c1)`` at a time, each from
+    the d-logits of that block of columns over every row that counts. A block whose rows come in one chunk
+    is one GEMM written once in the weight's dtype (accumulated in fp32 inside the GEMM); otherwise the
+    chunks accumulate into an fp32 ``[c1 - c0, H]`` block buffer, rounded once into the gradient. No
+    ``[V_local, H]`` accumulator; the upstream scalar is already in the coefficients (scale None)."""
+
+    def __init__(self, hidden, weight, *, block: int, weight_grad_dtype: torch.dtype, hidden_rows=None) -> None:
+        self.hidden_in, self.weight_in = hidden, weight
+        self.hidden_rows = hidden_rows or (lambda rows: rows.take(hidden))
+        self.grad = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        self.acc_dtype = torch.promote_types(weight.dtype, weight_grad_dtype)
+        self.block, self.acc = block, None
+        self.cols, self.single_chunk, self.written = (0, 0), False, False
+
+    def start_block(self, cols: tuple[int, int], *, single_chunk: bool) -> None:
+        self.cols, self.single_chunk, self.written = cols, single_chunk, False
+        if not single_chunk and self.acc is None and self.acc_dtype != self.grad.dtype:
+            self.acc = torch.empty((self.block, self.grad.shape[1]), dtype=self.acc_dtype, device=self.grad.device)
+
+    def buffer(self, rows, x):
+        return x
+
+    def consume(self, rows, dz):
+        c0, c1 = self.cols
+        h_rows, dst = self.hidden_rows(rows), self.grad[c0:c1]
+        if self.single_chunk:  # fp32 inside the GEMM, one rounding into the gradient
+            write_weight_gradient_(dst, dz, h_rows)
+        else:
+            accumulate_(dst if self.acc is None else self.acc[: c1 - c0], dz, h_rows, 1.0 if self.written else 0.0)
+        self.written = True
+
+    def finish_block(self) -> None:
+        c0, c1 = self.cols
+        if not self.written:  # no row counts: a zero gradient
+            self.grad[c0:c1].zero_()
+        elif self.acc is not None and not self.single_chunk:
+            self.grad[c0:c1].copy_(self.acc[: c1 - c0])
 
 
 class GatherRows(torch.autograd.Function):
@@ -324,11 +564,13 @@ class LogitsHead:
     def source(self, rows: int, cols: int) -> LogitRows:
         return LogitRows(self.logits)
 
-    def pass_with_sink(self, rows: int, cols: int, needs) -> tuple[LogitRows, BufferSink | None]:
+    def pass_with_sink(
+        self, rows: int, cols: int, needs, selection: RowSelection | None = None, single_chunk: bool = False
+    ) -> tuple[LogitRows, BufferSink | None]:  # fmt: skip
         if not needs[0]:
             return LogitRows(self.logits), None
         grad = torch.empty(self.logits.shape, dtype=self.logits.dtype, device=self.logits.device)
-        return LogitRows(self.logits), BufferSink(grad)
+        return LogitRows(self.logits), BufferSink(grad, selection)
 
     def gradients(self, sink: BufferSink | None, scale: torch.Tensor | None = None, tp_group=None):
         if sink is None:
@@ -339,9 +581,9 @@ class LogitsHead:
 class LinearHead:
     """``hidden [N, H] @ weight.T [H, V_local] + bias``: chunks are matmuls of hidden rows; gradients go
     through `Accumulators` (hidden all-reduced over `tp_group` unless sequence-parallel, where
-    `GatherRows`' backward sums them). `opts`: ``weight_grad_dtype``, ``tp_summed``,
-    ``sequence_parallel``, ``chunk_dtype`` (see `chunk_dtype_for`), ``gemm_tile`` (the invariant mode's
-    `tiled_linear` tile, or None)."""
+    `GatherRows`' backward sums them), and in a weight pass through `WeightBlocks`. `opts`:
+    ``weight_grad_dtype``, ``tp_summed``, ``sequence_parallel``, ``chunk_dtype`` (see `chunk_dtype_for`),
+    ``gemm_tile`` (the invariant mode's `tiled_linear` tile, or None)."""
 
     def __init__(self, hidden, weight, bias, opts: dict) -> None:
         self.hidden, self.weight, self.bias, self.opts = hidden, weight, bias, opts
@@ -356,7 +598,9 @@ class LinearHead:
         return HiddenRows(self.hidden, self.weight, self.bias, scratch, self.opts["chunk_dtype"],
                           gemm_tile=self.opts.get("gemm_tile"))  # fmt: skip
 
-    def pass_with_sink(self, rows: int, cols: int, needs) -> tuple[HiddenRows, Accumulators | None]:
+    def pass_with_sink(
+        self, rows: int, cols: int, needs, selection: RowSelection | None = None, single_chunk: bool = False
+    ) -> tuple[HiddenRows, Accumulators | None]:  # fmt: skip
         scratch = ChunkScratch(rows, cols, self.device)
         source = self.source(rows, cols, scratch)
         needs = (needs[0], needs[1], bool(needs[2]) and self.bias is not None)
@@ -364,8 +608,16 @@ class LinearHead:
             return source, None
         sink = Accumulators(
             self.hidden, self.weight, self.bias, needs, scratch=scratch, weight_grad_dtype=self.opts["weight_grad_dtype"],
-            tp_summed=self.opts["tp_summed"], sequence_parallel=self.opts["sequence_parallel"],
+            tp_summed=self.opts["tp_summed"], sequence_parallel=self.opts["sequence_parallel"], selection=selection,
+            single_chunk=single_chunk, hidden_rows=source.hidden_rows,
         )  # fmt: skip
+        return source, sink
+
+    def weight_pass(self, rows: int, block: int) -> tuple[HiddenRows, WeightBlocks]:
+        """The source and sink of the weight pass (`WeightBlocks`): chunks of `rows` by `block` columns."""
+        source = self.source(rows, block)
+        sink = WeightBlocks(self.hidden, self.weight, block=block, weight_grad_dtype=self.opts["weight_grad_dtype"],
+                            hidden_rows=source.hidden_rows)  # fmt: skip
         return source, sink
 
     def gradients(self, sink: Accumulators | None, scale: torch.Tensor | None = None, tp_group=None):

@@ -42,7 +42,7 @@ import math
 import torch
 
 from lmloss import _validate
-from lmloss.chunks import HiddenRows, LogitRows, LogitsHead, auto_chunk_size
+from lmloss.chunks import HiddenRows, LogitRows, LogitsHead, auto_chunk_size, chunk_budget_mib
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
 from lmloss.kernels import ChunkMath, ChunkScratch, compute_dtype
@@ -181,23 +181,25 @@ class TeacherRows:
         self.source, self.dtype = source, dtype
         self.math = ChunkMath(vocab_start=0, valid=0, scale=1.0, softcap=float(cap or 0.0))
 
-    def __call__(self, s: int, e: int) -> torch.Tensor:
-        x = self.source(s, e)
+    def __call__(self, rows, cols=None) -> torch.Tensor:
+        x = self.source(rows, cols)
         return transform_into(torch.empty(x.shape, dtype=self.dtype, device=x.device), x, self.math)
 
 
 def second_head(hidden, weight, *, softcap, sequence_parallel: bool, tp_group, student_dtype: torch.dtype):
-    """The chunk-source factory ``make_source(rows)`` of a second LM head beside an op's own (a distillation
-    teacher, an RL reference policy): its hidden states detached (with sequence parallelism, the same
-    blocks of tokens as the first head's, gathered in rank order), each pass's source with scratch of its
-    own, read as `teacher_rows` reads it (its softcap, the student's compute dtype where it is wider)."""
+    """The chunk-source factory ``make_source(rows, cols)`` of a second LM head beside an op's own (a
+    distillation teacher, an RL reference policy): its hidden states detached (with sequence parallelism,
+    the same blocks of tokens as the first head's, gathered in rank order), each pass's source with scratch
+    of its own for chunks of up to `rows` rows and `cols` columns (None: the whole shard), read as
+    `teacher_rows` reads it (its softcap, the student's compute dtype where it is wider)."""
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
     if sequence_parallel:
         flat = gather_rows(flat, tp_group)
     weight = weight.detach()
 
-    def make_source(rows: int):
-        source = HiddenRows(flat, weight, None, ChunkScratch(rows, weight.shape[0], weight.device), weight.dtype)
+    def make_source(rows: int, cols: int | None = None):
+        scratch = ChunkScratch(rows, weight.shape[0] if cols is None else cols, weight.device)
+        source = HiddenRows(flat, weight, None, scratch, weight.dtype)
         return teacher_rows(source, softcap, weight.dtype, student_dtype)
 
     return make_source
@@ -236,6 +238,7 @@ def distillation_loss(
     chunk_size: int | str | None = "auto",
     mean_group: ProcessGroup | None = None,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     softcap: float | None = None,
     teacher_softcap: float | None = None,
 ) -> torch.Tensor:
@@ -287,6 +290,7 @@ def distillation_loss(
         _validate.check_temperature(temperature)
         _validate.check_softcap(softcap)
         _validate.check_group("mean_group", mean_group)
+        agree["chunk_budget"] = budget = chunk_budget_mib(student_logits.device, memory_budget_mib)
         leading = student_logits.shape[:-1]
         if (teacher_logits is None) == (teacher_topk is None):
             raise ValueError("pass exactly one of teacher_logits and teacher_topk")
@@ -303,15 +307,17 @@ def distillation_loss(
     device, dtype = student_logits.device, student_logits.dtype
 
     def auto_chunk(n_tokens, max_local, impl_):
-        return auto_chunk_size(n_tokens, max_local, device, bytes_per_logit(dtype, spec.beta, fused=False))
+        return auto_chunk_size(n_tokens, max_local, device, bytes_per_logit(dtype, spec.beta, fused=False), budget_mib=budget)
 
     plan = make_plan(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
         chunk_size=chunk_size, auto_chunk=auto_chunk, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, agree=agree, tensors=_tensors(topk, flat_labels, ignore_index),
+        counting=None if flat_labels is None else flat_labels != ignore_index,
     )  # fmt: skip
-    def make_teacher(rows):
+
+    def make_teacher(rows, cols=None):
         return teacher_rows(LogitRows(teacher.reshape(-1, v_local)), teacher_softcap, teacher.dtype, dtype)
 
     objective = _objective(plan, spec, topk, flat_labels, make_teacher)
@@ -391,6 +397,7 @@ def linear_distillation_loss(
     mean_group: ProcessGroup | None = None,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     softcap: float | None = None,
     teacher_softcap: float | None = None,
 ) -> torch.Tensor:
@@ -440,6 +447,7 @@ def linear_distillation_loss(
         impl=impl, outputs=("loss",), agree=agree, reduction=reduction, mean_group=mean_group,
         bytes_per_logit=bytes_per_logit(student_weight.dtype, beta if isinstance(beta, float) else 0.0, fused=True),
         checks=checks,
+        memory_budget_mib=memory_budget_mib,
     )  # fmt: skip
     topk = checked.get("topk")
     make_teacher = None

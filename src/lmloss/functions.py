@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from lmloss._autograd import once_differentiable
-from lmloss.chunks import InPlaceSink, LogitRows
+from lmloss.chunks import DiscardSink, InPlaceSink, LogitRows
 from lmloss.kernels import scale_
 from lmloss.plan import LossPlan, backward_pass, forward_pass
 
@@ -41,18 +41,43 @@ class Op:
     def rows(self, n: int) -> int:
         return max(1, min(n, self.plan.chunk_size or n))
 
+    @property
+    def weight_pass_needed(self) -> bool:
+        """Whether the weight gradient comes from a weight pass (`lmloss.plan.LossPlan.weight_block`)."""
+        return self.plan.weight_block > 0
+
+    def token_pass(self, head, needs):
+        """The source and sink of a pass over the tokens that makes the gradients of `needs` (the weight's
+        is left to the weight pass when the plan has one): ``(source, sink or None)``."""
+        rows, cols = self.rows(head.n), self.plan.shard.size
+        needs = tuple(bool(x) for x in needs)
+        if self.weight_pass_needed and len(needs) > 1 and needs[1]:
+            needs = (needs[0], False, *needs[2:])
+            if not any(needs):  # the weight alone: the chunks' coefficients, without hidden gradients
+                return head.source(rows, cols), DiscardSink()
+        if not any(needs):
+            return head.source(rows, cols), None
+        single = self.plan.one_chunk(head.n)
+        return head.pass_with_sink(rows, cols, needs, selection=self.plan.rows, single_chunk=single)
+
     def run(self, leaves, needs=None):
         """One forward walk: (results, sink or None); with `needs`, gradients of the leaves that need one."""
         head = self.head(*leaves)
-        rows, cols = self.rows(head.n), self.plan.shard.size
         if needs is None or not any(needs):
-            source, sink = head.source(rows, cols), None
+            source, sink = head.source(self.rows(head.n), self.plan.shard.size), None
         else:
-            source, sink = head.pass_with_sink(rows, cols, needs)
+            source, sink = self.token_pass(head, needs)
         results = forward_pass(
             self.plan, head.n, self.objective, source, device=head.device, dtype=head.dtype, grad_sink=sink
         )
         return results, sink
+
+    def weight_gradient(self, head, saved: dict, coef, extra: dict) -> torch.Tensor:
+        """The weight pass (`lmloss.plan.backward_pass` over blocks of columns): the weight's gradient."""
+        plan = self.plan
+        source, sink = head.weight_pass(plan.weight_block_rows, plan.weight_block)
+        backward_pass(plan, head.n, self.objective, source, sink, saved, coef, extra, device=head.device, columns=True)
+        return sink.grad
 
 
 class PerTokenLoss(torch.autograd.Function):
@@ -81,11 +106,15 @@ class PerTokenLoss(torch.autograd.Function):
         if coef is None:
             return none
         head = op.head(*leaves)
-        source, sink = head.pass_with_sink(op.rows(head.n), op.plan.shard.size, ctx.needs_input_grad[1:])
-        if sink is None:
-            return none
-        backward_pass(op.plan, head.n, op.objective, source, sink, saved, coef, extra, device=head.device)
-        return (None, *head.gradients(sink, tp_group=op.plan.tp_group))
+        needs = ctx.needs_input_grad[1:]
+        source, sink = op.token_pass(head, needs)
+        grads = [None] * ctx.n_leaves
+        if sink is not None:
+            backward_pass(op.plan, head.n, op.objective, source, sink, saved, coef, extra, device=head.device)
+            grads = list(head.gradients(sink, tp_group=op.plan.tp_group))
+        if op.weight_pass_needed and needs[1]:
+            grads[1] = op.weight_gradient(head, saved, coef, extra)
+        return (None, *grads)
 
 
 class SummedLoss(torch.autograd.Function):
@@ -100,6 +129,9 @@ class SummedLoss(torch.autograd.Function):
         needs = tuple(bool(n and grad_enabled) for n in ctx.needs_input_grad[3:])
         results, sink = op.run(leaves, needs)
         ctx.op, ctx.needs, ctx.sink = op, needs, sink
+        # a weight pass runs in the backward, from what the forward found per token (the upstream scalar
+        # then joins its coefficients: the weight gradient is written once, already scaled)
+        ctx.results = results if op.weight_pass_needed and needs[1] else None
         ctx.save_for_backward(*leaves)
         total = op.objective.total(results)
         loss = total if denominator is None else total / denominator
@@ -116,12 +148,18 @@ class SummedLoss(torch.autograd.Function):
         leaves = ctx.saved_tensors
         none = (None, None, None, *(None,) * len(leaves))
         sink, ctx.sink = ctx.sink, "used"
+        results = ctx.results
         if sink == "used":  # a second backward: recompute the gradients with the forward's loop
-            _, sink = op.run(leaves, ctx.needs)
-        if sink is None or grad_total is None:
+            rerun, sink = op.run(leaves, ctx.needs)
+            results = rerun if results is not None else None
+        if grad_total is None or (sink is None and results is None):
             return none
         head = op.head(*leaves)
-        return (None, None, None, *head.gradients(sink, grad_total, tp_group=op.plan.tp_group))
+        grads = list(head.gradients(sink, grad_total, tp_group=op.plan.tp_group))
+        if results is not None:
+            saved, coef, extra = op.objective.weight_pass_inputs(results, grad_total)
+            grads[1] = op.weight_gradient(head, saved, coef, extra)
+        return (None, None, None, *grads)
 
 
 class InPlaceCrossEntropy(torch.autograd.Function):
@@ -146,7 +184,7 @@ class InPlaceCrossEntropy(torch.autograd.Function):
         flat = logits.view(-1, logits.shape[-1])
         results = forward_pass(
             plan, flat.shape[0], objective, LogitRows(flat), device=logits.device, dtype=logits.dtype,
-            grad_sink=InPlaceSink(),
+            grad_sink=InPlaceSink(flat, plan.rows),
         )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.used = False

@@ -34,10 +34,14 @@ import torch
 
 from lmloss import _validate, replay
 from lmloss.chunks import (
+    WEIGHT_TILE_ROWS,
+    FusedSchedule,
     GatherRows,
     LinearHead,
     auto_chunk_size,
     chunk_budget_mib,
+    fused_schedule,
+    gemm_accumulates_into_fp32,
     invariant_gemm_tile,
     linear_head_options,
 )
@@ -114,15 +118,17 @@ class Prepared:
 def prepare(
     hidden, weight, labels, bias, *, chunk_size, sequence_parallel, weight_grad_dtype, tp_group,
     reduction=None, mean_group=None, agree=None, bytes_per_logit=None, chunk_buffers=1, checks=None, invariant=False,
-    **options,
+    memory_budget_mib=None, **options,
 ) -> Prepared:  # fmt: skip
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states (every fused op's door).
 
     `agree`: more values every TP rank must share (fields of `lmloss.vocab_parallel.HOST_FIELDS`);
-    `bytes_per_logit`: the PyTorch implementation's per-logit working set for ``chunk_size="auto"``
-    (default `TORCH_BYTES_PER_LOGIT`), for ops holding more; `chunk_buffers`: how many chunk-sized buffers
-    of the input dtype the Triton implementation holds (1: the chunk itself); `checks`: the op's own local checks, run
-    before the rank agreement (``checks(expected_leading_shape)``); `options`: `make_plan`'s.
+    `bytes_per_logit`: the PyTorch implementation's per-logit working set (default
+    `TORCH_BYTES_PER_LOGIT`), for ops holding more; `chunk_buffers`: how many chunk-sized buffers of the input
+    dtype the Triton implementation holds (1: the chunk itself); both size the chunks within the memory
+    budget (`memory_budget_mib`, `lmloss.chunks.chunk_budget_mib`), which also picks the weight gradient's
+    schedule (`lmloss.chunks.fused_schedule`). `checks`: the op's own local checks, run before the rank
+    agreement (``checks(expected_leading_shape)``); `options`: `make_plan`'s.
     `invariant`: the plan's invariant mode, and the head's logits made by `lmloss.chunks.tiled_linear` (chunks
     of a whole number of its tiles' rows: `chunk_size` is rounded down to one, or up to one tile).
     """
@@ -131,27 +137,28 @@ def prepare(
         labels, expected = _check_tensors(
             hidden, weight, labels, bias, sequence_parallel, weight_grad_dtype, tp_group, reduction, mean_group
         )  # fmt: skip
-        budget = chunk_budget_mib(weight.device) if chunk_size == "auto" else -1.0
+        budget = chunk_budget_mib(weight.device, memory_budget_mib)
         if checks is not None:
             options.update(checks(expected))
-    h_width, dtype_bytes = weight.shape[1], weight.element_size()
-
-    def auto_chunk(n_tokens, local_vocab, impl):
-        per_logit = chunk_buffers * dtype_bytes if impl == "triton" else (bytes_per_logit or TORCH_BYTES_PER_LOGIT)
-        return auto_chunk_size(n_tokens, local_vocab, weight.device, per_logit, budget_mib=budget)
-
     grad = torch.is_grad_enabled() and sum(
         1 << i for i, t in enumerate((hidden, weight, bias)) if t is not None and t.requires_grad
     )
+    n_tokens = math.prod(expected)
+    schedule = functools.partial(
+        _schedule, hidden=hidden, weight=weight, n_tokens=n_tokens, grad=grad, budget=budget, chunk_buffers=chunk_buffers,
+        bytes_per_logit=bytes_per_logit or TORCH_BYTES_PER_LOGIT, weight_grad_dtype=weight_grad_dtype,
+        tp=world_size(tp_group), sequence_parallel=sequence_parallel, weight_pass=options.get("support") is None,
+    )  # fmt: skip
     agree = {
-        "op": 1, **(agree or {}), "hidden_width": h_width, "sequence_parallel": int(sequence_parallel),
+        "op": 1, **(agree or {}), "hidden_width": weight.shape[1], "sequence_parallel": int(sequence_parallel),
         "grad": int(grad), "reduction": -1 if reduction is None else _validate.REDUCTIONS.index(reduction),
         "mean_group": -1 if mean_group is None else world_size(mean_group), "chunk_budget": budget,
+        "weight_grad_dtype": _validate.DTYPE_CODES.get(weight_grad_dtype, 99),
     }  # fmt: skip
     plan = make_plan(
-        n_tokens=math.prod(expected), local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
-        labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=auto_chunk,
-        tp_group=tp_group, agree=agree, invariant=invariant, **options,
+        n_tokens=n_tokens, local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
+        labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=None,
+        schedule=schedule, tp_group=tp_group, agree=agree, invariant=invariant, **options,
     )  # fmt: skip
     if invariant and plan.chunk_size is not None:  # whole tiles per chunk (agreed values: the same on every rank)
         rows = invariant_gemm_tile(weight.device)[0]
@@ -165,6 +172,39 @@ def prepare(
     )  # fmt: skip
     head = functools.partial(LinearHead, opts=opts)
     return Prepared(flat, None if labels is None else labels.reshape(-1), plan, head, expected)
+
+
+def _schedule(
+    n_rows, local_vocab, impl, chunk_size, gathered, *, hidden, weight, n_tokens, grad, budget, chunk_buffers,
+    bytes_per_logit, weight_grad_dtype, tp, sequence_parallel, weight_pass,
+) -> FusedSchedule:  # fmt: skip
+    """`fused_schedule` from a fused op's arguments: what each buffer costs (agreed values only)."""
+    h_width, item = weight.shape[1], weight.element_size()
+    low_precision = weight.dtype in (torch.bfloat16, torch.float16)
+    if impl == "triton":
+        per_logit = chunk_buffers * item
+    else:  # beside the fp32 chunk, the low-precision one the matmul writes (`HiddenRows`)
+        per_logit = bytes_per_logit + (item if low_precision else 0)
+    fp32_acc = low_precision and weight_grad_dtype == torch.float32
+    wants_weight, wants_hidden, wants_bias = bool(grad & 2), bool(grad & 1), bool(grad & 4)
+    accumulator = local_vocab * h_width * 4 if wants_weight and (fp32_acc or not weight_pass) else 0
+    fixed = local_vocab * 4 if wants_bias else 0  # the bias gradient's fp32 sum
+    if wants_hidden and (tp > 1 and not sequence_parallel and low_precision or not weight_pass):
+        fixed += n_tokens * h_width * 4  # the hidden gradient's fp32 sum over TP ranks (or the slots')
+    if sequence_parallel:  # every rank's tokens, gathered
+        fixed += n_tokens * h_width * item
+    # fp32 d-logits of a low-precision weight (CPU) are written into its gradient in fp32 tiles
+    tile = WEIGHT_TILE_ROWS * h_width * 4 if fp32_acc and not gemm_accumulates_into_fp32(weight.device, weight.dtype) else 0
+    schedule = fused_schedule(
+        n_rows=n_rows, local_vocab=local_vocab, hidden_width=h_width, device=weight.device, budget_mib=budget,
+        bytes_per_logit=per_logit, gather_bytes_per_row=h_width * item if gathered else 0,
+        accumulator_bytes=accumulator, fixed_bytes=fixed, chunk_size=chunk_size, weight_tile_bytes=tile,
+    )  # fmt: skip
+    if not weight_pass and schedule.weight_block:  # a replayed support's slots: the accumulators, smaller chunks
+        rows = auto_chunk_size(n_rows, local_vocab, weight.device, per_logit, budget_mib=budget - (accumulator + fixed) / 2**20,
+                               bytes_per_row=h_width * item if gathered else 0)  # fmt: skip
+        schedule = FusedSchedule(rows if chunk_size == "auto" else chunk_size)
+    return schedule
 
 
 def linear_token_logprobs(
@@ -184,6 +224,7 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -242,6 +283,7 @@ def linear_token_logprobs(
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("logprobs", "entropy") if return_entropy else ("logprobs",), checks=checks,
         log_kept_mass=return_log_kept_mass, invariant=invariant,
+        memory_budget_mib=memory_budget_mib,
     )  # fmt: skip
     if support is None:
         op = Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels))
@@ -275,6 +317,7 @@ def linear_cross_entropy(
     mean_group: ProcessGroup | None = None,
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """`lmloss.cross_entropy` of ``hidden @ weight.T + bias``, without materializing the logits.
@@ -289,6 +332,7 @@ def linear_cross_entropy(
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
         mean_group=mean_group, invariant=invariant,
+        memory_budget_mib=memory_budget_mib,
     )  # fmt: skip
     if reduction == "none":
         op = Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels))

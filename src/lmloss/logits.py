@@ -14,7 +14,7 @@ import math
 import torch
 
 from lmloss import _validate, replay
-from lmloss.chunks import LogitsHead, auto_chunk_size
+from lmloss.chunks import LogitsHead, auto_chunk_size, chunk_budget_mib
 from lmloss.functions import InPlaceCrossEntropy, Op, PerTokenLoss
 from lmloss.kernels import compute_dtype
 from lmloss.objectives import SoftmaxObjective
@@ -27,9 +27,10 @@ from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, errors_raised_o
 TORCH_BYTES_PER_LOGIT = 8
 
 
-def logits_chunk_size(n_tokens: int, local_vocab: int, impl: str, device: torch.device) -> int:
-    """``chunk_size="auto"`` for the logits ops."""
-    return auto_chunk_size(n_tokens, local_vocab, device, 0 if impl == "triton" else TORCH_BYTES_PER_LOGIT)
+def logits_chunk_size(n_tokens: int, local_vocab: int, impl: str, device: torch.device, budget_mib: float) -> int:
+    """``chunk_size="auto"`` for the logits ops: the PyTorch kernels' scratch within the budget."""
+    per_logit = 0 if impl == "triton" else TORCH_BYTES_PER_LOGIT
+    return auto_chunk_size(n_tokens, local_vocab, device, per_logit, budget_mib=budget_mib)
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
     """Check the tensors every logits op shares; return the labels as int64 (or None)."""
@@ -41,12 +42,12 @@ def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Te
     return _validate.check_labels(labels, logits.shape[:-1], logits.device, against="logits")
 
 
-def _plan(logits: torch.Tensor, labels: torch.Tensor | None, **options) -> LossPlan:
+def _plan(logits: torch.Tensor, labels: torch.Tensor | None, budget: float, **options) -> LossPlan:
     device = logits.device
     return make_plan(
         n_tokens=math.prod(logits.shape[:-1]), local_vocab=logits.shape[-1], device=device, dtype=logits.dtype,
         labels=None if labels is None else labels.reshape(-1),
-        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device), **options,
+        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device, budget), **options,
     )  # fmt: skip
 
 
@@ -103,6 +104,7 @@ def token_logprobs(
     vocab_start: int | None = None,
     return_entropy: bool = False,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -155,6 +157,7 @@ def token_logprobs(
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         labels = _check_logits(logits, labels)
+        budget = chunk_budget_mib(logits.device, memory_budget_mib)
         n = math.prod(labels.shape)
         if support is None:
             sampling = make_sampling(
@@ -167,8 +170,8 @@ def token_logprobs(
     plan = _plan(
         logits, labels, outputs=("logprobs", "entropy") if return_entropy else ("logprobs",),
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits),
-        sampling=sampling, support=support, log_kept_mass=return_log_kept_mass, invariant=invariant,
+        vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits, budget),
+        sampling=sampling, support=support, log_kept_mass=return_log_kept_mass, invariant=invariant, budget=budget,
     )  # fmt: skip
     flat, flat_labels = _flat(logits, labels)
     if support is None:
@@ -191,6 +194,7 @@ def token_entropy(
     tp_group: ProcessGroup | None = None,
     vocab_start: int | None = None,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -203,6 +207,7 @@ def token_entropy(
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         _check_logits(logits, None)
+        budget = chunk_budget_mib(logits.device, memory_budget_mib)
         n_tokens = math.prod(logits.shape[:-1])
         if support is None:
             sampling = make_sampling(top_k, top_p, min_p, n_tokens=n_tokens, device=logits.device)
@@ -212,7 +217,7 @@ def token_entropy(
     plan = _plan(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
-        agree=_agree(logits), sampling=sampling, support=support, invariant=invariant,
+        agree=_agree(logits, budget), sampling=sampling, support=support, invariant=invariant, budget=budget,
     )  # fmt: skip
     flat, _ = _flat(logits, None)
     if support is None:
@@ -240,6 +245,7 @@ def cross_entropy(
     mean_group: ProcessGroup | None = None,
     inplace_backward: bool = False,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of `labels` under ``softmax(softcap(logits) / temperature)``, as `F.cross_entropy`
@@ -279,6 +285,7 @@ def cross_entropy(
         if not isinstance(inplace_backward, bool):
             raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
         labels = _check_logits(logits, labels)
+        budget = chunk_budget_mib(logits.device, memory_budget_mib)
         if inplace_backward and reduction == "none":
             raise ValueError('inplace_backward=True needs reduction="sum" or "mean" (a scalar loss)')
         inplace = inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not compiling
@@ -288,7 +295,7 @@ def cross_entropy(
         logits, labels, outputs=("loss",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, label_smoothing=label_smoothing, z_loss=z_loss,
-        agree=_agree(logits, reduction=reduction, mean_group=mean_group), invariant=invariant,
+        agree=_agree(logits, budget, reduction=reduction, mean_group=mean_group), invariant=invariant, budget=budget,
     )  # fmt: skip
     flat, flat_labels = _flat(logits, labels)
     if inplace:
@@ -308,11 +315,11 @@ def cross_entropy(
 
 
 def _agree(
-    logits: torch.Tensor, *, reduction: str | None = None, mean_group: ProcessGroup | None = None
-) -> dict[str, int]:
+    logits: torch.Tensor, budget: float, *, reduction: str | None = None, mean_group: ProcessGroup | None = None
+) -> dict[str, int | float]:
     """The logits ops' fields of the TP ranks' agreement vector (`lmloss.vocab_parallel.HOST_FIELDS`)."""
     return dict(
-        op=0,
+        op=0, chunk_budget=budget,
         reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),
         grad=int(torch.is_grad_enabled() and logits.requires_grad),
         mean_group=-1 if mean_group is None else torch.distributed.get_world_size(mean_group),

@@ -34,6 +34,7 @@ import torch
 
 from lmloss.kernels import BlockPartials, compute_dtype, make_kernels
 from lmloss.kernels.torch_ref import transform_into
+from lmloss.rows import Rows
 from lmloss.sampling import keep_thresholds
 from lmloss.vocab_parallel import (
     all_reduce_max_,
@@ -44,7 +45,8 @@ from lmloss.vocab_parallel import (
 )
 
 OUTPUTS = ("logprobs", "entropy", "loss")
-#: ``upstream(s, e, chunk_outputs) -> {output: [c] upstream gradient or None}`` (see `SoftmaxObjective`)
+#: ``upstream(rows, chunk_outputs) -> ({output: [c] upstream gradient or None}, [c] terms)`` for a chunk's
+#: `lmloss.rows.Rows` (see `SoftmaxObjective`)
 Upstream = Callable[[int, int, dict], dict]
 
 
@@ -52,13 +54,16 @@ Upstream = Callable[[int, int, dict], dict]
 # per-token softmax math on the combined partials ([c] vectors: cheap, the same for both implementations)
 
 
-def finish(plan, combined: torch.Tensor, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`."""
+def finish(plan, combined: torch.Tensor, labels: torch.Tensor | None, counting=None) -> dict[str, torch.Tensor]:
+    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`.
+    `counting` ``[c]`` bool or None: rows that do not count give 0 (`lmloss.rows`: usually no chunk holds
+    them at all; inside ``torch.compile`` they are computed and masked)."""
     big_m, sum_exp, t, target, sum_y = combined.unbind(1)
     log_sum_exp = sum_exp.log()
     out = {"lse": big_m + log_sum_exp}
     if "entropy" in plan.outputs:
-        out["entropy"] = log_sum_exp - t / sum_exp
+        entropy = log_sum_exp - t / sum_exp
+        out["entropy"] = entropy if counting is None else torch.where(counting, entropy, 0.0)
     if labels is None:
         return out
     valid = labels != plan.ignore_index
@@ -82,10 +87,12 @@ def grad_coefficients(
     lse: torch.Tensor,
     upstream: dict[str, torch.Tensor | None],
     dropped: torch.Tensor | None = None,
+    counting: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Upstream gradients of the per-token outputs (``[N]`` each, None = unused) -> ``coef [N, 4]``
     (``a, b, c, d``); None when no output has a gradient. `dropped` ``[N]`` bool: labels outside the
-    sampling kept set, whose log-prob (-inf) has no gradient."""
+    sampling kept set, whose log-prob (-inf) has no gradient. `counting` ``[N]`` bool: the rows that count
+    (the others' entropy is 0, without gradient; their labels are already `ignore_index`)."""
     g_lp, g_h, g_loss = (upstream.get(k) for k in OUTPUTS)
     if g_lp is None and g_h is None and g_loss is None:
         return None
@@ -107,8 +114,8 @@ def grad_coefficients(
         b.sub_((1.0 - plan.label_smoothing) * g)
         if plan.label_smoothing > 0:
             c.sub_((plan.label_smoothing / plan.shard.vocab_size) * g)
-    if g_h is not None:  # d H / dy = -p (log p + H)
-        d.sub_(g_h.to(lse.dtype))
+    if g_h is not None:  # d H / dy = -p (log p + H); 0 in a row that does not count (its entropy is 0)
+        d.sub_(g_h.to(lse.dtype) if counting is None else torch.where(counting, g_h.to(lse.dtype), 0.0))
     return coef
 
 
@@ -127,7 +134,7 @@ class FullRows:
     slots): its log-sum-exp under `math` gives ``log_kept_mass = lse(kept) - lse(vocabulary)``.
     `make_source(rows)` builds the pass's source (its scratch lives for one pass)."""
 
-    make_source: Callable[[int], Callable[[int, int], torch.Tensor]]
+    make_source: Callable[[int], Callable[..., torch.Tensor]]
     math: object  # ChunkMath
     device: torch.device
 
@@ -135,11 +142,12 @@ class FullRows:
 @dataclasses.dataclass
 class Reference:
     """A reference policy's head beside the policy's (``kl_loss_type="full"``, `lmloss.rl.fused`):
-    ``make_source(rows)`` builds the pass's chunk source of its logits, its softcap already applied
-    (`lmloss.distill.teacher_rows`). Each chunk then also gives ``kl``, the exact KL(policy || reference)
-    over the vocabulary, whose upstream gradient the two-distribution kernels turn into the policy's."""
+    ``make_source(rows, cols)`` builds the pass's chunk source of its logits (chunks of up to `rows` rows and
+    `cols` columns, None: all), its softcap already applied (`lmloss.distill.teacher_rows`). Each chunk then
+    also gives ``kl``, the exact KL(policy || reference) over the vocabulary, whose upstream gradient the
+    two-distribution kernels turn into the policy's."""
 
-    make_source: Callable[[int], Callable[[int, int], torch.Tensor]]
+    make_source: Callable[[int, int | None], Callable[..., torch.Tensor]]
 
 
 class SoftmaxObjective:
@@ -154,6 +162,9 @@ class SoftmaxObjective:
 
     def __init__(self, plan, labels, *, upstream: Upstream | None = None, grad_scale=None, full_rows=None,
                  dropped_labels=None, reference: Reference | None = None):  # fmt: skip
+        self.counting = plan.counting  # the rows that count (`lmloss.rows`), or None: every row
+        if labels is not None and self.counting is not None:  # a row that does not count has no label
+            labels = torch.where(self.counting, labels, plan.ignore_index)
         self.plan, self.labels, self.upstream, self.grad_scale = plan, labels, upstream, grad_scale
         self.full_rows, self.dropped_labels, self.reference = full_rows, dropped_labels, reference
 
@@ -167,6 +178,8 @@ class SoftmaxObjective:
             keys = (*keys, "objective")
         if self.reference is not None:
             keys = (*keys, "kl")
+        if self.plan.weight_block:  # what the weight pass reads (`weight_pass_inputs`)
+            keys = (*keys, "coef", *(("ref_lse", "kl_upstream") if self.reference is not None else ()))
         return keys
 
     def returned(self, results: dict) -> tuple[torch.Tensor, ...]:
@@ -203,40 +216,47 @@ class SoftmaxObjective:
             return combine_blocks(partials, self.plan.tp_group)
         return combine_partials(partials, self.plan.tp_group)
 
-    def start(self, n_rows: int, device: torch.device) -> dict:
-        """A pass's own state (its objects live for one pass): the full rows' source and kernels."""
-        rows = max(1, min(n_rows, self.plan.chunk_size or n_rows))
+    def start(self, n_rows: int, device: torch.device, tile: tuple[int, int] | None = None) -> dict:
+        """A pass's own state (its objects live for one pass): the full rows' source and kernels, the
+        reference's source. `tile`: a weight pass's ``(rows, columns)`` per chunk (`lmloss.plan.backward_pass`)."""
+        rows = max(1, min(n_rows, self.plan.chunk_size or n_rows)) if tile is None else tile[0]
         state = {"n_rows": n_rows, "rows": rows, "search": None}
         if self.reference is not None:
-            state["reference"] = self.reference.make_source(rows)
+            state["reference"] = self.reference.make_source(rows, None if tile is None else tile[1])
         if self.full_rows is not None:  # the full rows need kernels of their width
             state["full"] = (self.full_rows.make_source(rows), make_kernels(self.plan.impl, rows, self.plan.vocab.size, device))
         return state
 
-    def forward_chunk(self, state: dict, s: int, e: int, x: torch.Tensor, kernels, sink, *, overwrite: bool) -> dict:
+    def forward_chunk(self, state: dict, rows: Rows, x: torch.Tensor, kernels, sink, *, overwrite: bool) -> dict:
         plan = self.plan
-        labels = None if self.labels is None else self.labels[s:e]
+        labels = None if self.labels is None else rows.take(self.labels)
         if self.reference is not None:
-            return self._with_reference(state, s, e, x, kernels, sink, labels)
-        kept = self._thresholds(state, s, e, x, kernels)
+            return self._with_reference(state, rows, x, kernels, sink, labels)
+        kept = self._thresholds(state, rows, x, kernels)
         keep = {} if kept is None else {"keep_min": kept.keep_min}
         if sink is None:
             exps = {} if kept is None else {"kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}
-            stats = self._finish(state, self._partials(kernels, x, labels, keep, exps, overwrite=overwrite), labels, s, e)
+            stats = self._finish(state, self._partials(kernels, x, labels, keep, exps, overwrite=overwrite), labels, rows)
         else:
-            out = sink.buffer(s, e, x)
+            out = sink.buffer(rows, x)
             if self.can_run_one_kernel(kernels, sink):
                 stats = kernels.loss_and_grad_(
                     x, labels, plan.math, ignore_index=plan.ignore_index, label_smoothing=plan.label_smoothing,
                     z_loss=plan.z_loss, vocab_size=plan.shard.vocab_size, out=out, grad_scale=self.grad_scale,
                 )  # fmt: skip
+                if plan.weight_block:  # the weight pass's coefficients (the kernel made its own)
+                    stats["coef"] = grad_coefficients(
+                        plan, labels, stats["lse"], self._upstream_of(rows, stats), counting=self._counting(rows)
+                    )
                 grad = out
             else:
 
                 def finish_with_grad(partials):
-                    stats = self._finish(state, partials, labels, s, e)
-                    grads = self._upstream_of(s, e, stats)
-                    coef = grad_coefficients(plan, labels, stats["lse"], grads, stats.get("dropped"))
+                    stats = self._finish(state, partials, labels, rows)
+                    grads = self._upstream_of(rows, stats)
+                    coef = grad_coefficients(plan, labels, stats["lse"], grads, stats.get("dropped"), self._counting(rows))
+                    if plan.weight_block:  # kept for the weight pass (`weight_pass_inputs`)
+                        stats["coef"] = coef
                     if grads.get("entropy") is not None:  # the gradient's d term needs each row's H
                         return stats, coef, stats["lse"], stats["entropy"]
                     return stats, coef, stats["lse"]
@@ -252,57 +272,63 @@ class SoftmaxObjective:
                         x, labels, plan.math, plan.flags, finish_with_grad, out,
                         uniform_term=plan.label_smoothing > 0, **keep,
                     )  # fmt: skip
-            sink.consume(s, e, grad)
+            sink.consume(rows, grad)
         if kept is not None:
             stats["keep_min"] = kept.keep_min
             if plan.sampling.log_kept_mass:
-                stats["log_kept_mass"] = stats["lse"] - kept.full_lse
+                stats["log_kept_mass"] = self._counted(rows, stats["lse"] - kept.full_lse)
         return stats
 
-    def _with_reference(self, state, s, e, x, kernels, sink, labels) -> dict:
+    def _with_reference(self, state, rows, x, kernels, sink, labels) -> dict:
         """A chunk beside the reference's: both heads' statistics in one combine (MAX + SUM), the policy's
         outputs, ``kl`` from the divergence's row sums (one SUM); with a sink the gradient of the upstream's
         objective, its policy terms by the softmax kernels and its KL term by the two-distribution ones
         (into a buffer of its own, added after: the softmax gradient may overwrite the chunk)."""
         plan = self.plan
-        xt = state["reference"](s, e)
+        xt = state["reference"](rows)
         partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags)
         ref_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied the softcap
         ref = kernels.softmax_partials(xt, None, ref_math, entropy=False, target=False, sum_logits=False)
-        c = e - s
+        c = rows.count
         both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
-        stats = finish(plan, both[:c], labels)
+        stats = finish(plan, both[:c], labels, self._counting(rows))
         lse = torch.stack([stats["lse"], _lse(both[c:])], dim=1)
+        if plan.weight_block:  # kept for the weight pass
+            stats["ref_lse"] = lse[:, 1]
         if sink is None:
             rows = all_reduce_sum_(kernels.divergence_partials(x, xt, lse, plan.math, 1.0), plan.tp_group)
             stats["kl"] = rows[:, 0]
             return stats
         upstream = {}
 
-        def finish_kl(rows):  # the KL's row sums, then the objective's upstream of every output
-            stats["kl"] = all_reduce_sum_(rows, plan.tp_group)[:, 0]
-            grads, stats["objective"] = self.upstream(s, e, stats)
+        def finish_kl(sums):  # the KL's row sums, then the objective's upstream of every output
+            stats["kl"] = all_reduce_sum_(sums, plan.tp_group)[:, 0]
+            grads, stats["objective"] = self.upstream(rows, stats)
             upstream.update(grads)
             g_kl = grads.get("kl")
             g_kl = torch.zeros_like(stats["kl"]) if g_kl is None else g_kl.to(stats["kl"].dtype)
+            if plan.weight_block:
+                stats["kl_upstream"] = g_kl
             return None, torch.stack([g_kl, stats["kl"]], dim=1)
 
-        out = sink.buffer(s, e, x)
+        out = sink.buffer(rows, x)
         if self._kl_by_difference(kernels, x, xt, state["reference"]):
-            return self._with_reference_by_difference(s, e, x, xt, kernels, sink, labels, stats, both[c:], out)
+            return self._with_reference_by_difference(rows, x, xt, kernels, sink, labels, stats, both[c:], out)
         if "kl_grad" not in state:
             state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)
         kl_grad = state["kl_grad"][:c]
         kernels.divergence_partials_then_grad_(x, xt, lse, plan.math, 1.0, finish_kl, kl_grad)
         grads = upstream
-        coef = grad_coefficients(plan, labels, stats["lse"], grads)
+        coef = grad_coefficients(plan, labels, stats["lse"], grads, counting=self._counting(rows))
+        if plan.weight_block:
+            stats["coef"] = torch.zeros((c, 4), dtype=stats["lse"].dtype, device=x.device) if coef is None else coef
         if coef is None:
             out.zero_()
         else:
             entropy = stats.get("entropy") if grads.get("entropy") is not None else None
             kernels.softmax_grad_(x, labels, stats["lse"], entropy, coef, plan.math, out, uniform_term=False)
         out.add_(kl_grad)
-        sink.consume(s, e, out)
+        sink.consume(rows, out)
         return stats
 
     def _kl_by_difference(self, kernels, x, xt, reference_source) -> bool:
@@ -313,7 +339,7 @@ class SoftmaxObjective:
             and x.dtype == xt.dtype == compute_dtype(x.dtype) and getattr(reference_source, "owns_chunks", False)
         )  # fmt: skip
 
-    def _with_reference_by_difference(self, s, e, x, xt, kernels, sink, labels, stats, ref_combined, out) -> dict:
+    def _with_reference_by_difference(self, rows, x, xt, kernels, sink, labels, stats, ref_combined, out) -> dict:
         """`_with_reference`'s gradient in one pass with the policy's: ``KL = scale * sum p (x - x_ref) - (lse -
         lse_ref)`` (one SUM of this shard's sums), and its gradient ``g p (scale (x - x_ref) - (lse - lse_ref) -
         KL)``: the ``- g (lse - lse_ref + KL) p`` part joins the softmax gradient's ``a`` coefficient, the rest
@@ -324,32 +350,34 @@ class SoftmaxObjective:
 
         def finish_kl(sums):
             stats["kl"] = plan.math.scale * all_reduce_sum_(sums, plan.tp_group) - shift
-            grads, stats["objective"] = self.upstream(s, e, stats)
+            grads, stats["objective"] = self.upstream(rows, stats)
             g_kl = grads.get("kl")
             g_kl = torch.zeros_like(stats["kl"]) if g_kl is None else g_kl.to(stats["kl"].dtype)
-            coef = grad_coefficients(plan, labels, stats["lse"], grads)
+            coef = grad_coefficients(plan, labels, stats["lse"], grads, counting=self._counting(rows))
             if coef is None:
-                coef = torch.zeros((e - s, 4), dtype=stats["lse"].dtype, device=stats["lse"].device)
+                coef = torch.zeros((rows.count, 4), dtype=stats["lse"].dtype, device=stats["lse"].device)
             # where(), not a multiply: a row without gradient (an ignored token) whose reference is NaN stays 0
             coef[:, 0] -= torch.where(g_kl != 0, g_kl * (shift + stats["kl"]), 0.0)
+            if plan.weight_block:  # kept for the weight pass
+                stats["coef"], stats["kl_upstream"] = coef, g_kl
             entropy = stats.get("entropy") if grads.get("entropy") is not None else None
             return coef, g_kl * plan.math.scale, entropy
 
         kernels.softmax_grad_with_difference_(x, labels, xt, stats["lse"], plan.math, finish_kl, out, uniform_term=False)
-        sink.consume(s, e, out)
+        sink.consume(rows, out)
         return stats
 
-    def _thresholds(self, state, s, e, x, kernels):
+    def _thresholds(self, state, rows, x, kernels):
         """The chunk's kept set (collectives over tp_group), found on the PyTorch kernels' values of y."""
         plan = self.plan
         if plan.sampling is None:
             return None
         if state["search"] is None:
-            rows = min(state["n_rows"], plan.chunk_size or state["n_rows"])
-            state["search"] = kernels if kernels.name == "torch" else make_kernels("torch", rows, plan.shard.size, x.device)
+            chunk = state["rows"]
+            state["search"] = kernels if kernels.name == "torch" else make_kernels("torch", chunk, plan.shard.size, x.device)
         search = state["search"]
         return keep_thresholds(
-            search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(s, e),
+            search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(rows),
             min(plan.sampling.k_max, plan.shard.vocab_size),
             group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
             invariant=plan.invariant, scale=None if plan.math.softcap else plan.math.scale,
@@ -367,38 +395,48 @@ class SoftmaxObjective:
     def extra_outputs(self, results: dict) -> tuple[torch.Tensor, ...]:
         return () if self.upstream is None else self.upstream.extra_outputs(results)
 
-    def _finish(self, state, partials, labels, s, e) -> dict:
+    def _finish(self, state, partials, labels, rows) -> dict:
         plan = self.plan
         if self.full_rows is None:
-            stats = finish(plan, self._combine(partials), labels)
+            stats = finish(plan, self._combine(partials), labels, self._counting(rows))
         else:  # the full vocabulary's statistics beside the slots', in the same MAX and SUM
             source, full_kernels = state["full"]
             flags = dict(entropy=False, target=False, sum_logits=False)
             if plan.invariant:
-                full = full_kernels.block_partials(source(s, e), None, self.full_rows.math, **flags,
+                full = full_kernels.block_partials(source(rows), None, self.full_rows.math, **flags,
                                                    global_max=self._global_max)  # fmt: skip
                 both = self._combine(BlockPartials.cat([partials, full.cast(partials.s.dtype)]))
             else:
-                full = full_kernels.softmax_partials(source(s, e), None, self.full_rows.math, **flags)
+                full = full_kernels.softmax_partials(source(rows), None, self.full_rows.math, **flags)
                 both = self._combine(torch.cat([partials, full.to(partials.dtype)]))
-            stats = finish(plan, both[: e - s], labels)
-            full_lse = both[e - s :, 0] + both[e - s :, 1].log()
-            stats["log_kept_mass"] = stats["lse"] - full_lse
+            c = rows.count
+            stats = finish(plan, both[:c], labels, self._counting(rows))
+            full_lse = both[c:, 0] + both[c:, 1].log()
+            stats["log_kept_mass"] = self._counted(rows, stats["lse"] - full_lse)
         if labels is not None and "logprobs" in stats:
             valid = labels != plan.ignore_index
             dropped = valid & torch.isneginf(stats["logprobs"])
             if self.dropped_labels is not None:
-                dropped = dropped | self.dropped_labels[s:e]
-                stats["logprobs"] = torch.where(self.dropped_labels[s:e], -math.inf, stats["logprobs"])
+                known = rows.take(self.dropped_labels)
+                dropped = dropped | known
+                stats["logprobs"] = torch.where(known, -math.inf, stats["logprobs"])
             if plan.sampling is not None or self.dropped_labels is not None:
                 stats["dropped"] = dropped
         elif plan.sampling is not None:
-            stats["dropped"] = torch.zeros(e - s, dtype=torch.bool, device=partials.device)
+            stats["dropped"] = torch.zeros(rows.count, dtype=torch.bool, device=partials.device)
         return stats
 
-    def _upstream_of(self, s, e, stats) -> dict:
+    def _counting(self, rows) -> torch.Tensor | None:
+        return None if self.counting is None else rows.take(self.counting)
+
+    def _counted(self, rows, values: torch.Tensor) -> torch.Tensor:
+        """`values` with 0 in the rows that do not count."""
+        counting = self._counting(rows)
+        return values if counting is None else torch.where(counting, values, 0.0)
+
+    def _upstream_of(self, rows, stats) -> dict:
         if self.upstream is not None:
-            grads, stats["objective"] = self.upstream(s, e, stats)
+            grads, stats["objective"] = self.upstream(rows, stats)
             return grads
         if self.grad_scale is None:
             return {"loss": torch.ones_like(stats["lse"])}
@@ -409,19 +447,58 @@ class SoftmaxObjective:
     def coefficients(self, saved: dict, grads: tuple) -> tuple[torch.Tensor | None, dict]:
         """The upstream gradients of the returned outputs -> (``coef [N, 4]`` or None, what the chunks need)."""
         upstream = dict(zip(self.plan.outputs, grads))
-        coef = grad_coefficients(self.plan, self.labels, saved["lse"], upstream, saved.get("dropped"))
+        coef = grad_coefficients(self.plan, self.labels, saved["lse"], upstream, saved.get("dropped"), self.counting)
         entropy = saved.get("entropy") if upstream.get("entropy") is not None else None
         return coef, dict(entropy=entropy, uniform_term=has_uniform_term(self.plan, upstream))
 
-    def backward_chunk(self, state, s, e, x, kernels, sink, saved: dict, coef, extra: dict) -> None:
-        out = sink.buffer(s, e, x)
+    def empty_result(self, key: str, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A result no chunk made (no row counts): its zeros."""
+        if key == "dropped":
+            return torch.zeros(n, dtype=torch.bool, device=device)
+        return torch.zeros((n, 4) if key == "coef" else (n,), dtype=dtype, device=device)
+
+    def weight_pass_inputs(self, results: dict, scale) -> tuple[dict, torch.Tensor, dict]:
+        """``(saved, coef, extra)`` of the weight pass after a summed forward (`lmloss.functions.SummedLoss`):
+        the coefficients the forward used, times the upstream scalar `scale` (0-d), so that the weight
+        gradient is written once, already scaled."""
+        saved = {k: results.get(k) for k in ("lse", "keep_min", "ref_lse", "kl")}
+        coef = results["coef"] if scale is None else results["coef"] * scale.to(results["coef"].dtype)
+        extra = dict(entropy=results.get("entropy"), uniform_term=self.plan.label_smoothing > 0)
+        if self.reference is not None:
+            g_kl = results["kl_upstream"]
+            extra["kl_upstream"] = g_kl if scale is None else g_kl * scale.to(g_kl.dtype)
+        return saved, coef, extra
+
+    def backward_chunk(self, state, rows, x, kernels, sink, saved: dict, coef, extra: dict, *, math, cols=None) -> None:
+        out = sink.buffer(rows, x)
         keep_min, entropy = saved.get("keep_min"), extra["entropy"]
-        kernels.softmax_grad_(
-            x, None if self.labels is None else self.labels[s:e], saved["lse"][s:e],
-            None if entropy is None else entropy[s:e], coef[s:e], self.plan.math, out,
-            uniform_term=extra["uniform_term"], **({} if keep_min is None else {"keep_min": keep_min[s:e]}),
-        )  # fmt: skip
-        sink.consume(s, e, out)
+        labels = None if self.labels is None else rows.take(self.labels)
+        lse, coef = rows.take(saved["lse"]), rows.take(coef)
+        entropy = None if entropy is None else rows.take(entropy)
+        if self.reference is not None:  # the weight pass of the full KL (`_with_reference`'s gradient)
+            self._reference_grad(state, rows, x, kernels, saved, coef, extra, labels, lse, entropy, math, cols, out)
+        else:
+            kernels.softmax_grad_(
+                x, labels, lse, entropy, coef, math, out, uniform_term=extra["uniform_term"],
+                **({} if keep_min is None else {"keep_min": rows.take(keep_min)}),
+            )  # fmt: skip
+        sink.consume(rows, out)
+
+    def _reference_grad(self, state, rows, x, kernels, saved, coef, extra, labels, lse, entropy, math, cols, out):
+        """The forward's gradient of the policy with the full KL, again for a block of columns: the
+        coefficients it found (already with the KL's share of ``a``) and the KL's upstream per row."""
+        xt = state["reference"](rows, cols)
+        g_kl = rows.take(extra["kl_upstream"])
+        if self._kl_by_difference(kernels, x, xt, state["reference"]):
+            kernels.softmax_grad_with_difference_(
+                x, labels, xt, lse, math, lambda sums: (coef, g_kl * math.scale, entropy), out, uniform_term=False
+            )
+            return
+        both = torch.stack([lse, rows.take(saved["ref_lse"])], dim=1)
+        kl_grad = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        kernels.divergence_grad_(x, xt, both, torch.stack([g_kl, rows.take(saved["kl"])], dim=1), math, 1.0, kl_grad)
+        kernels.softmax_grad_(x, labels, lse, entropy, coef, math, out, uniform_term=False)
+        out.add_(kl_grad)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -460,18 +537,27 @@ class _UpstreamWeights:
     def __init__(self, labels, ignore_index, upstream=None, grad_scale=None) -> None:
         self.labels, self.ignore_index, self.upstream, self.grad_scale = labels, ignore_index, upstream, grad_scale
 
-    def valid(self, s, e):
-        return None if self.labels is None else self.labels[s:e] != self.ignore_index
+    def valid(self, rows):
+        return None if self.labels is None else rows.take(self.labels) != self.ignore_index
 
-    def __call__(self, s, e, dtype, device) -> torch.Tensor:
+    def __call__(self, rows, dtype, device) -> torch.Tensor:
         if self.upstream is not None:
-            w = self.upstream[s:e].to(dtype)
+            w = rows.take(self.upstream).to(dtype)
         elif self.grad_scale is not None:
-            w = self.grad_scale.to(dtype).expand(e - s)
+            w = self.grad_scale.to(dtype).expand(rows.count)
         else:
-            w = torch.ones(e - s, dtype=dtype, device=device)
-        valid = self.valid(s, e)
+            w = torch.ones(rows.count, dtype=dtype, device=device)
+        valid = self.valid(rows)
         return w if valid is None else torch.where(valid, w, 0.0)
+
+    def scaled(self, scale) -> _UpstreamWeights:
+        """These weights times the upstream scalar `scale` (0-d; None: 1)."""
+        if scale is None:
+            return self
+        if self.upstream is not None:
+            return _UpstreamWeights(self.labels, self.ignore_index, upstream=self.upstream * scale)
+        grad_scale = scale if self.grad_scale is None else self.grad_scale * scale
+        return _UpstreamWeights(self.labels, self.ignore_index, grad_scale=grad_scale)
 
 
 class DivergenceObjective:
@@ -485,9 +571,18 @@ class DivergenceObjective:
         self.plan, self.spec, self.make_teacher, self.labels = plan, spec, make_teacher, labels
         self.weights = _UpstreamWeights(labels, plan.ignore_index, grad_scale=grad_scale)
 
-    def start(self, n_rows: int, device: torch.device) -> dict:
-        """A pass's own state: the teacher's source (``make_teacher(rows)``, with its own scratch)."""
-        return {"teacher": self.make_teacher(max(1, min(n_rows, self.plan.chunk_size or n_rows)))}
+    def start(self, n_rows: int, device: torch.device, tile: tuple[int, int] | None = None) -> dict:
+        """A pass's own state: the teacher's source (``make_teacher(rows, cols)``, with its own scratch)."""
+        if tile is not None:
+            return {"teacher": self.make_teacher(*tile)}
+        return {"teacher": self.make_teacher(max(1, min(n_rows, self.plan.chunk_size or n_rows)), None)}
+
+    def empty_result(self, key: str, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=device)
+
+    def weight_pass_inputs(self, results: dict, scale) -> tuple[dict, object, dict]:
+        saved = self.saved(results)
+        return saved, True, {"weights": self.weights.scaled(scale)}
 
     def total(self, results: dict) -> torch.Tensor:
         return results["loss"].sum()
@@ -505,8 +600,13 @@ class DivergenceObjective:
         return {k: results[k] for k in ("lse_student", "lse_teacher", "S")}
 
     def _local_softmax(self, kernels) -> bool:
+        """Whether the kernels normalise each row themselves: one process, no padded column, and whole rows
+        in every pass (no weight pass over blocks of columns)."""
         plan = self.plan
-        return kernels.normalises_rows and world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
+        return (
+            kernels.normalises_rows and world_size(plan.tp_group) == 1 and plan.math.valid == plan.shard.size
+            and not plan.weight_block
+        )  # fmt: skip
 
     def _lse(self, xs, xt, kernels):
         if self._local_softmax(kernels):
@@ -520,9 +620,9 @@ class DivergenceObjective:
         combined = combine_partials(torch.cat(stats).to(compute_dtype(xs.dtype)), plan.tp_group)
         return _lse(combined).view(2, xs.shape[0]).t().contiguous()  # [c, 2]: student, teacher
 
-    def forward_chunk(self, state, s, e, xs, kernels, sink, *, overwrite: bool) -> dict:
+    def forward_chunk(self, state, rows, xs, kernels, sink, *, overwrite: bool) -> dict:
         plan, beta, teacher = self.plan, self.spec.beta, state["teacher"]
-        xt = teacher(s, e)
+        xt = teacher(rows)
         lse = self._lse(xs, xt, kernels)
         overwrite = overwrite and getattr(teacher, "owns_chunks", False)
         saved = {}
@@ -533,18 +633,18 @@ class DivergenceObjective:
             saved["S"] = subtract
             if sink is None:
                 return loss, None
-            weight = self.weights(s, e, partials.dtype, partials.device)
+            weight = self.weights(rows, partials.dtype, partials.device)
             return loss, torch.stack([weight, subtract], dim=1)
 
         if sink is None:
             loss = finish_rows(kernels.divergence_partials(xs, xt, lse, plan.math, beta, overwrite=overwrite))[0]
         else:
-            out = sink.buffer(s, e, xs)
+            out = sink.buffer(rows, xs)
             loss = kernels.divergence_partials_then_grad_(xs, xt, lse, plan.math, beta, finish_rows, out, overwrite=overwrite)
-            sink.consume(s, e, out)
-        valid = self.weights.valid(s, e)
+            sink.consume(rows, out)
+        valid = self.weights.valid(rows)
         stats = {"loss": loss if valid is None else torch.where(valid, loss, 0.0), "S": saved["S"]}
-        nan = torch.full((e - s,), math.nan, dtype=loss.dtype, device=loss.device)
+        nan = torch.full((rows.count,), math.nan, dtype=loss.dtype, device=loss.device)
         stats["lse_student"], stats["lse_teacher"] = (nan, nan) if lse is None else lse.unbind(1)
         return stats
 
@@ -554,20 +654,20 @@ class DivergenceObjective:
             return None, {}
         return True, {"weights": _UpstreamWeights(self.labels, self.plan.ignore_index, upstream=g)}
 
-    def backward_chunk(self, state, s, e, xs, kernels, sink, saved, coef, extra) -> None:
-        plan, teacher = self.plan, state["teacher"]
-        xt = teacher(s, e)
+    def backward_chunk(self, state, rows, xs, kernels, sink, saved, coef, extra, *, math, cols=None) -> None:
+        teacher = state["teacher"]
+        xt = teacher(rows, cols)
         lse = None
         if not self._local_softmax(kernels):
-            lse = torch.stack([saved["lse_student"][s:e], saved["lse_teacher"][s:e]], dim=1)
-        weight = extra["weights"](s, e, saved["S"].dtype, xs.device)
-        out = sink.buffer(s, e, xs)
+            lse = torch.stack([rows.take(saved["lse_student"]), rows.take(saved["lse_teacher"])], dim=1)
+        weight = extra["weights"](rows, saved["S"].dtype, xs.device)
+        out = sink.buffer(rows, xs)
         overwrite = getattr(teacher, "owns_chunks", False) and out is xs
         kernels.divergence_grad_(
-            xs, xt, lse, torch.stack([weight, saved["S"][s:e]], dim=1), plan.math, self.spec.beta, out,
+            xs, xt, lse, torch.stack([weight, rows.take(saved["S"])], dim=1), math, self.spec.beta, out,
             overwrite=overwrite,
         )  # fmt: skip
-        sink.consume(s, e, out)
+        sink.consume(rows, out)
 
 
 class SparseTeacherObjective:
@@ -581,8 +681,15 @@ class SparseTeacherObjective:
         self.plan, self.spec, self.ids, self.logprobs, self.labels = plan, spec, ids, logprobs, labels
         self.weights = _UpstreamWeights(labels, plan.ignore_index, grad_scale=grad_scale)
 
-    def start(self, n_rows: int, device: torch.device) -> dict:
+    def start(self, n_rows: int, device: torch.device, tile: tuple[int, int] | None = None) -> dict:
         return {}
+
+    def empty_result(self, key: str, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        shape = (n, self.ids.shape[1]) if key == "log_student_at_ids" else (n,)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def weight_pass_inputs(self, results: dict, scale) -> tuple[dict, object, dict]:
+        return self.saved(results), True, {"weights": self.weights.scaled(scale)}
 
     def total(self, results: dict) -> torch.Tensor:
         return results["loss"].sum()
@@ -599,11 +706,13 @@ class SparseTeacherObjective:
     def saved(self, results):
         return {k: results[k] for k in ("lse_student", "log_student_at_ids")}
 
-    def _state(self, s, e, x, kernels, lse=None, ls=None):
-        """(loss [c], (lq, ls, lse, q_tail, p_tail, idx, owned)); `lse` / `ls` given: from the forward's."""
-        plan, m = self.plan, self.plan.math
+    def _state(self, rows, x, kernels, lse=None, ls=None, chunk_math=None):
+        """(loss [c], (lq, ls, lse, q_tail, p_tail, idx, owned)); `lse` / `ls` given: from the forward's;
+        `chunk_math`: the chunk's columns (a block of them in a weight pass; default the plan's)."""
+        plan = self.plan
+        m = plan.math if chunk_math is None else chunk_math
         acc = compute_dtype(x.dtype)
-        ids = self.ids[s:e]
+        ids = rows.take(self.ids)
         local = ids - m.vocab_start
         owned = (local >= 0) & (local < m.valid)
         idx = local.clamp(0, max(m.valid - 1, 0))
@@ -615,7 +724,7 @@ class SparseTeacherObjective:
                 lse = _lse(combine_partials(stats, plan.tp_group))
             all_reduce_sum_(y, plan.tp_group)  # every id is owned by exactly one rank: the sum is its logit
             ls = y - lse[:, None] if self.spec.tail else y - torch.logsumexp(y, -1, keepdim=True)
-        lq = self.logprobs[s:e].to(acc)
+        lq = rows.take(self.logprobs).to(acc)
         if self.spec.tail:
             q_tail = (1.0 - lq.exp().sum(-1)).clamp(min=0.0)
             p_tail = (1.0 - ls.exp().sum(-1)).clamp(min=torch.finfo(acc).tiny)
@@ -627,13 +736,12 @@ class SparseTeacherObjective:
         loss = terms.sum(-1) + (tail_term if self.spec.tail else 0.0)
         return loss, (lq, ls, lse, q_tail, p_tail, idx, owned)
 
-    def _grad_(self, x, state, weight, kernels, out):
+    def _grad_(self, x, state, weight, kernels, out, m):
         """The student's gradient into `out`: ``Z p_s - q`` at the teacher's ids, and with the tail
         ``p_s (Z - q_tail / p_tail)`` at every other column (0 there without the tail), where ``Z = sum q +
         q_tail`` is the teacher's mass over the K + 1 buckets: 1, or its top-k mass where that is a little
         above 1 (an engine's rounding, within `lmloss.distill.TOPK_MASS_TOLERANCE`: the tail is then empty)."""
         lq, ls, lse, q_tail, p_tail, idx, owned = state
-        m = self.plan.math
         slope = m.scale
         if m.softcap:  # dy/dx at the ids, scale * (1 - tanh^2), read before `out` (maybe x) is written
             t = torch.tanh(x.gather(1, idx).to(ls.dtype) / m.softcap)
@@ -654,16 +762,16 @@ class SparseTeacherObjective:
         out.scatter_add_(1, idx, values.to(out.dtype))
         return out
 
-    def forward_chunk(self, state, s, e, x, kernels, sink, *, overwrite: bool) -> dict:
-        loss, rows = self._state(s, e, x, kernels)
+    def forward_chunk(self, state, rows, x, kernels, sink, *, overwrite: bool) -> dict:
+        loss, terms = self._state(rows, x, kernels)
         if sink is not None:
-            weight = self.weights(s, e, loss.dtype, x.device)
-            out = sink.buffer(s, e, x)
-            sink.consume(s, e, self._grad_(x, rows, weight, kernels, out))
-        valid = self.weights.valid(s, e)
-        lse = rows[2] if rows[2] is not None else torch.full_like(loss, math.nan)
+            weight = self.weights(rows, loss.dtype, x.device)
+            out = sink.buffer(rows, x)
+            sink.consume(rows, self._grad_(x, terms, weight, kernels, out, self.plan.math))
+        valid = self.weights.valid(rows)
+        lse = terms[2] if terms[2] is not None else torch.full_like(loss, math.nan)
         return {"loss": loss if valid is None else torch.where(valid, loss, 0.0), "lse_student": lse,
-                "log_student_at_ids": rows[1]}  # fmt: skip
+                "log_student_at_ids": terms[1]}  # fmt: skip
 
     def coefficients(self, saved, grads):
         (g,) = grads
@@ -671,9 +779,9 @@ class SparseTeacherObjective:
             return None, {}
         return True, {"weights": _UpstreamWeights(self.labels, self.plan.ignore_index, upstream=g)}
 
-    def backward_chunk(self, state, s, e, x, kernels, sink, saved, coef, extra) -> None:
-        lse = saved["lse_student"][s:e] if self.spec.tail else None
-        _, rows = self._state(s, e, x, kernels, lse=lse, ls=saved["log_student_at_ids"][s:e])
-        weight = extra["weights"](s, e, rows[1].dtype, x.device)
-        out = sink.buffer(s, e, x)
-        sink.consume(s, e, self._grad_(x, rows, weight, kernels, out))
+    def backward_chunk(self, state, rows, x, kernels, sink, saved, coef, extra, *, math, cols=None) -> None:
+        lse = rows.take(saved["lse_student"]) if self.spec.tail else None
+        _, terms = self._state(rows, x, kernels, lse=lse, ls=rows.take(saved["log_student_at_ids"]), chunk_math=math)
+        weight = extra["weights"](rows, terms[1].dtype, x.device)
+        out = sink.buffer(rows, x)
+        sink.consume(rows, self._grad_(x, terms, weight, kernels, out, math))

@@ -13,7 +13,7 @@ walks the chunks again for a per-token op's backward. These two loops are the on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from lmloss import _validate
 from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.objectives import OUTPUTS
+from lmloss.rows import Rows, RowSelection, all_rows
 from lmloss.sampling import Sampling
 from lmloss.vocab_parallel import (
     INVARIANT_MAX_COLUMNS,
@@ -32,17 +33,15 @@ from lmloss.vocab_parallel import (
     world_size,
 )
 
-#: The input dtype as it travels in the rank-agreement vector (fp32 on one rank and fp64 on another would
-#: all-reduce partials of different sizes).
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-ChunkSource = Callable[[int, int], torch.Tensor]
+#: ``source(rows, cols) -> x [c, V_local]`` (or ``[c, c1 - c0]`` for local columns ``cols = (c0, c1)``)
+ChunkSource = Callable[..., torch.Tensor]
 
 
 class GradSink(Protocol):
-    def buffer(self, s: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Where the kernel writes the gradient of chunk ``[s, e)`` (its logits are `x`)."""
+    def buffer(self, rows: Rows, x: torch.Tensor) -> torch.Tensor:
+        """Where the kernel writes the gradient of the chunk `rows` (its logits are `x`)."""
 
-    def consume(self, s: int, e: int, grad: torch.Tensor) -> None:
+    def consume(self, rows: Rows, grad: torch.Tensor) -> None:
         """Take the chunk's gradient from that buffer (before the next chunk reuses it)."""
 
 
@@ -77,6 +76,15 @@ class LossPlan:
     #: invariant mode (docs/invariant.md): the width of the blocks the kernels sum over (`INVARIANT_BLOCK`
     #: columns, or 1 over a replayed support's slots, whose ranks hold scattered ids); 0 when off
     invariant_block: int = 0
+    #: the rows that count (`lmloss.rows`): None when every row does; the others take no chunk
+    rows: RowSelection | None = None
+    #: the same as a bool ``[N]`` mask (None: every row), for the objectives' outputs: 0 where a row does not
+    #: count (inside ``torch.compile`` the rows are computed, not skipped, and masked alike)
+    counting: torch.Tensor | None = None
+    #: a fused head's weight gradient without a ``[V_local, H]`` accumulator (`lmloss.chunks.FusedSchedule`):
+    #: local columns per block of the weight pass, and tokens per chunk in it; 0 for the accumulator
+    weight_block: int = 0
+    weight_block_rows: int = 0
 
     @property
     def invariant(self) -> bool:
@@ -94,15 +102,34 @@ class LossPlan:
         smoothing = "loss" in self.outputs and self.label_smoothing > 0
         return dict(entropy="entropy" in self.outputs, target=wants_target, sum_logits=smoothing)
 
-    def chunks(self, n: int) -> Iterator[tuple[int, int]]:
-        """``(start, end)`` row ranges covering ``[0, n)``."""
-        step = n if self.chunk_size is None else self.chunk_size
-        for s in range(0, n, max(step, 1)):
-            yield s, min(s + step, n)
+    def chunks(self, n: int, *, gather: bool = False, chunk_rows: int | None = None) -> list[Rows]:
+        """The chunks of ``[0, n)`` the loop walks: every row, or only those that count (`rows`), at most
+        `chunk_rows` (default `chunk_size`) each; `gather`: the source gathers rows cheaply (`lmloss.rows`)."""
+        chunk_rows = self.chunk_size if chunk_rows is None else chunk_rows
+        if self.rows is None:
+            return all_rows(n, chunk_rows)
+        return self.rows.chunks(n if chunk_rows is None else chunk_rows, gather=gather)
 
-    def kernels(self, n: int, device: torch.device):
+    def one_chunk(self, n: int) -> bool:
+        """Whether a pass of a source that gathers rows walks a single chunk."""
+        return len(self.chunks(n, gather=True)) == 1
+
+    def kernels(self, n: int, device: torch.device, cols: int | None = None):
         rows = min(n, self.chunk_size or n)
-        return make_kernels(self.impl, max(rows, 1), self.shard.size, device)
+        return make_kernels(self.impl, max(rows, 1), self.shard.size if cols is None else cols, device)
+
+    def column_blocks(self) -> list[tuple[int, int]]:
+        """The weight pass's blocks of local columns ``(c0, c1)`` (`weight_block` wide)."""
+        width = self.shard.size
+        return [(c, min(c + self.weight_block, width)) for c in range(0, width, self.weight_block)]
+
+    def block_math(self, cols: tuple[int, int] | None) -> ChunkMath:
+        """The kernels' math for local columns ``cols`` of the shard: a sub-shard (None: the whole shard)."""
+        if cols is None:
+            return self.math
+        c0, c1 = cols
+        valid = max(0, min(c1, self.math.valid) - c0)
+        return dataclasses.replace(self.math, vocab_start=self.math.vocab_start + c0, valid=valid)
 
 
 def make_plan(
@@ -114,7 +141,7 @@ def make_plan(
     labels: torch.Tensor | None,
     outputs: tuple[str, ...],
     chunk_size: int | str | None,
-    auto_chunk: Callable[[int, int, str], int | None],
+    auto_chunk: Callable[[int, int, str], int | None] | None,
     temperature: float,
     softcap: float | None,
     ignore_index: int,
@@ -131,11 +158,16 @@ def make_plan(
     options: dict | None = None,
     tensors: dict[str, torch.Tensor | None] | None = None,
     invariant: bool = False,
+    counting: torch.Tensor | None = None,
+    schedule: Callable | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
-    `labels` are the flat int64 labels (or None). `auto_chunk(n_tokens, max_V_local, impl)` sizes
-    ``chunk_size="auto"`` from values that every TP rank agrees on. Under `tp_group` the ranks' metadata
+    `labels` are the flat int64 labels (or None). `auto_chunk(n_rows, max_V_local, impl)` sizes
+    ``chunk_size="auto"`` from values that every TP rank agrees on (`n_rows`: the rows that count); a fused
+    head passes `schedule` instead, ``schedule(n_rows, max_V_local, impl, chunk_size, gathered) ->
+    lmloss.chunks.FusedSchedule`` (its chunks and its weight gradient's schedule within the budget;
+    `gathered`: rows are skipped, so its chunks gather theirs). Under `tp_group` the ranks' metadata
     is compared in one all-gather before any other collective (`resolve_shard`): token count, chunk size,
     shard, dtype, the shared options, `agree` (the op's own fields of
     `lmloss.vocab_parallel.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
@@ -151,6 +183,11 @@ def make_plan(
     `invariant` (docs/invariant.md): the kernels sum fixed blocks of columns and the combine is exact
     (`lmloss.vocab_parallel.combine_blocks`); agreed across the ranks like every option. Every shard must
     start at a multiple of `INVARIANT_BLOCK` columns and the vocabulary hold at most `INVARIANT_MAX_COLUMNS`.
+
+    The rows that count (`lmloss.rows`): `counting` (bool ``[N]``, agreed by the caller: a fingerprinted
+    tensor), else ``labels != ignore_index``; without either, every row. Found once, after the agreement,
+    so that every rank walks the same chunks. Inside ``torch.compile`` every row is walked (the selection
+    is data-dependent); the objectives give the rows that do not count the same zeros either way.
     """
     with errors_raised_on_every_rank(tp_group, vocab_start, device):
         _validate.check_temperature(temperature)
@@ -167,7 +204,7 @@ def make_plan(
     tensors = dict(tensors or {})
     if sampling is not None:
         agree.update(sampling.agree_fields())
-        tensors.update({k: v for k, v in sampling.rows(0, n_tokens).items() if isinstance(v, torch.Tensor)})
+        tensors.update({k: v for k, v in sampling.rows(Rows(0, n_tokens)).items() if isinstance(v, torch.Tensor)})
     if support is not None:
         agree["slots"], tensors["support"] = support.shape[1], support
     agree["log_kept_mass"] = int(log_kept_mass)
@@ -182,7 +219,7 @@ def make_plan(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
         outputs=sum(1 << OUTPUTS.index(k) for k in outputs), temperature=float(temperature),
         softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-        dtype=_DTYPE_CODES.get(dtype, 99), **(agree or {}),
+        dtype=_validate.DTYPE_CODES.get(dtype, 99), **(agree or {}),
     )  # fmt: skip
     stats = None if labels is None or not gathered else _validate.label_stats(labels, ignore_index)
     shard, max_local = resolve_shard(
@@ -197,11 +234,22 @@ def make_plan(
         )
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
-    if chunk_size == "auto":
-        # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does;
-        # a replayed support's chunk is [c, K] slots (and, fused, the matmul of the rows its ids name)
-        width = max_local if support is None else min(max_local, 64 * support.shape[1])
-        chunk_size = auto_chunk(n_tokens, width, "torch" if sampling is not None else impl)
+    if counting is None and labels is not None:
+        counting = labels != ignore_index
+    selection = None
+    if counting is not None and not torch.compiler.is_compiling():  # data-dependent: every row under compile
+        selection = RowSelection.of(counting.reshape(-1))
+    n_count = n_tokens if selection is None else selection.count
+    # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does;
+    # a replayed support's chunk is [c, K] slots (and, fused, the matmul of the rows its ids name)
+    width = max_local if support is None else min(max_local, 64 * support.shape[1])
+    budget_impl = "torch" if sampling is not None else impl
+    weight_block = weight_block_rows = 0
+    if schedule is not None:  # a fused head: its chunks and its weight gradient's schedule, within the budget
+        fused = schedule(n_count, width, budget_impl, chunk_size, selection is not None)
+        chunk_size, weight_block, weight_block_rows = fused.chunk_rows, fused.weight_block, fused.weight_block_rows
+    elif chunk_size == "auto":
+        chunk_size = auto_chunk(n_count, width, budget_impl)
     math = ChunkMath(
         vocab_start=shard.start, valid=shard.valid, scale=1.0 / temperature, softcap=float(softcap or 0.0)
     )
@@ -215,6 +263,8 @@ def make_plan(
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), tp_group=tp_group, sampling=sampling,
         log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
         invariant_block=0 if not invariant else 1 if support is not None else INVARIANT_BLOCK,
+        rows=selection, counting=None if counting is None else counting.reshape(-1), weight_block=weight_block,
+        weight_block_rows=weight_block_rows,
     )  # fmt: skip
 
 
@@ -241,37 +291,59 @@ def forward_pass(
     dtype: torch.dtype,
     grad_sink: GradSink | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Walk the chunks once: the objective's per-token results (``[n, ...]`` each, as its chunks give them).
+    """Walk the chunks once: the objective's per-token results (``[n, ...]`` each, as its chunks give them;
+    0 in the rows that do not count, which no chunk holds).
 
-    `objective` (`lmloss.objectives`) computes each chunk's results from its logits ``source(s, e)`` and the
+    `objective` (`lmloss.objectives`) computes each chunk's results from its logits ``source(rows)`` and the
     pass's kernels; with `grad_sink`, also the chunk's gradient (of a summed loss, or of an objective of the
     per-token outputs), handed to the sink while the chunk is at hand.
     """
     state = objective.start(n, device)  # what lives for this pass only (a teacher's scratch, ...)
     kernels = plan.kernels(n, device)
     overwrite = getattr(source, "owns_chunks", False)
+    new = torch.empty if plan.rows is None else torch.zeros
     results: dict[str, torch.Tensor] = {}
-    for s, e in plan.chunks(n):
-        stats = objective.forward_chunk(state, s, e, source(s, e), kernels, grad_sink, overwrite=overwrite)
+    chunks = plan.chunks(n, gather=getattr(source, "gathers_rows", False))
+    for rows in chunks:
+        stats = objective.forward_chunk(state, rows, source(rows), kernels, grad_sink, overwrite=overwrite)
         for k in objective.result_keys():
             v = stats.get(k)
             if v is None:
                 continue
             if k not in results:
-                results[k] = torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=device)
-            results[k][s:e] = v
-    if n == 0:  # no chunk: empty results of the compute dtype
-        results = {k: torch.empty(0, dtype=compute_dtype(dtype), device=device) for k in objective.result_keys()}
+                results[k] = new((n, *v.shape[1:]), dtype=v.dtype, device=device)
+            rows.put_(results[k], v)
+    if grad_sink is not None and hasattr(grad_sink, "pass_done"):
+        grad_sink.pass_done()
+    if not chunks:  # no row counts (or n == 0): every result is zeros
+        results = {k: objective.empty_result(k, n, device, compute_dtype(dtype)) for k in objective.result_keys()}
     return results
 
 
 def backward_pass(
     plan: LossPlan, n: int, objective, source: ChunkSource, grad_sink: GradSink, saved: dict, coef, extra: dict, *,
-    device: torch.device,
+    device: torch.device, columns: bool = False,
 ) -> None:  # fmt: skip
     """Walk the chunks again: each chunk's gradient from what the forward saved (`saved`, e.g. the
-    log-sum-exps) and the per-token coefficients of the upstream gradients. No collectives."""
+    log-sum-exps) and the per-token coefficients of the upstream gradients. No collectives.
+
+    `columns`: the weight pass of a fused head without a weight-gradient accumulator (`plan.weight_block`):
+    the tiles are blocks of `weight_block` local columns, each over the rows in chunks of
+    `weight_block_rows`; the sink is told where each block starts and ends (``start_block`` /
+    ``finish_block``), and the objective gets each block's math (a sub-shard, `LossPlan.block_math`)."""
     state = objective.start(n, device)
-    kernels = plan.kernels(n, device)
-    for s, e in plan.chunks(n):
-        objective.backward_chunk(state, s, e, source(s, e), kernels, grad_sink, saved, coef, extra)
+    gather = getattr(source, "gathers_rows", False)
+    if not columns:
+        kernels = plan.kernels(n, device)
+        for rows in plan.chunks(n, gather=gather):
+            objective.backward_chunk(state, rows, source(rows), kernels, grad_sink, saved, coef, extra, math=plan.math)
+        return
+    chunks = plan.chunks(n, gather=gather, chunk_rows=plan.weight_block_rows)
+    kernels = make_kernels(plan.impl, max(1, plan.weight_block_rows), plan.weight_block, device)
+    for cols in plan.column_blocks():
+        grad_sink.start_block(cols, single_chunk=len(chunks) == 1)
+        math = plan.block_math(cols)
+        for rows in chunks:
+            x = source(rows, cols)
+            objective.backward_chunk(state, rows, x, kernels, grad_sink, saved, coef, extra, math=math, cols=cols)
+        grad_sink.finish_block()

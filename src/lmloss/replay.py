@@ -75,21 +75,22 @@ class SlotRows:
     logits for the sink's chain rule."""
 
     owns_chunks = True
+    gathers_rows = True  # a slot chunk is a gather anyway
 
     def __init__(self, head: SlotsHead) -> None:
         self.head = head
         self.raw = None
 
-    def __call__(self, s: int, e: int) -> torch.Tensor:
+    def __call__(self, rows, cols=None) -> torch.Tensor:
         head = self.head
-        raw = head.values(s, e)  # a fresh gather
+        raw = head.values(rows)  # a fresh gather
         if head.math.softcap or raw.dtype != compute_dtype(raw.dtype):
             self.raw = raw if head.math.softcap else None  # only softcap's chain rule reads it again
             y = transform_into(torch.empty(raw.shape, dtype=compute_dtype(raw.dtype), device=raw.device), raw,
                                head.math)  # fmt: skip
         else:  # the temperature alone, in the compute dtype: in place
             self.raw, y = None, transform_into(raw, raw, head.math, aliased=True)
-        return y.masked_fill_(~head.slots.owned[s:e], ABSENT)
+        return y.masked_fill_(~rows.take(head.slots.owned), ABSENT)
 
 
 class SlotSink:
@@ -100,10 +101,10 @@ class SlotSink:
         self.head, self.source = head, source
         self.grads = head.new_gradients(needs)
 
-    def buffer(self, s, e, x):
+    def buffer(self, rows, x):
         return x
 
-    def consume(self, s, e, g):
+    def consume(self, rows, g):
         head = self.head
         math = head.math
         # g is the chunk the source made for this call alone (`buffer` hands it back): scaled in place
@@ -112,7 +113,7 @@ class SlotSink:
             g.mul_((1.0 - t * t) * math.scale)
         elif math.scale != 1.0:
             g.mul_(math.scale)
-        head.scatter(self.grads, s, e, g.masked_fill_(~head.slots.owned[s:e], 0.0))
+        head.scatter(self.grads, rows, g.masked_fill_(~rows.take(head.slots.owned), 0.0))
 
 
 class SlotsHead:
@@ -126,25 +127,27 @@ class SlotsHead:
 
     # the base head's slot values and their gradients
 
-    def values(self, s: int, e: int) -> torch.Tensor:
-        local = self.slots.local[s:e]
+    def values(self, rows) -> torch.Tensor:
+        local = rows.take(self.slots.local)
         if isinstance(self.base, LogitsHead):
-            return self.base.logits[s:e].gather(1, local)
+            return rows.take(self.base.logits).gather(1, local)
         b = self.base
-        rows, inverse = torch.unique(local, return_inverse=True)
-        w = b.weight[rows]
-        bias = None if b.bias is None else b.bias[rows]
+        ids, inverse = torch.unique(local, return_inverse=True)
+        w = b.weight[ids]
+        bias = None if b.bias is None else b.bias[ids]
+        h = rows.take(b.hidden)
         tile = b.opts.get("gemm_tile")
         if tile is not None:  # the invariant mode: GEMMs of one fixed shape, whatever the chunk's ids
-            z = tiled_linear(b.hidden[s:e], w, bias, w.new_empty((e - s, w.shape[0])), tile)
+            z = tiled_linear(h, w, bias, w.new_empty((rows.count, w.shape[0])), tile)
         else:
-            z = b.hidden[s:e] @ w.t() if bias is None else torch.addmm(bias, b.hidden[s:e], w.t())
+            z = h @ w.t() if bias is None else torch.addmm(bias, h, w.t())
         return z.gather(1, inverse)
 
     def new_gradients(self, needs) -> dict:
         if isinstance(self.base, LogitsHead):
             x = self.base.logits
             return {"logits": torch.zeros(x.shape, dtype=x.dtype, device=x.device)} if needs[0] else {}
+        # zero-filled: the rows that do not count (and the weight rows no id names) keep a zero gradient
         b = self.base
         acc = torch.promote_types(b.weight.dtype, torch.float32)
         out = {}
@@ -156,21 +159,26 @@ class SlotsHead:
             out["bias"] = torch.zeros(b.bias.shape, dtype=acc, device=b.bias.device)
         return out
 
-    def scatter(self, grads: dict, s: int, e: int, g: torch.Tensor) -> None:
-        local = self.slots.local[s:e]
+    def scatter(self, grads: dict, rows, g: torch.Tensor) -> None:
+        local = rows.take(self.slots.local)
         if "logits" in grads:
-            grads["logits"][s:e].scatter_add_(1, local, g.to(grads["logits"].dtype))
+            x = grads["logits"]
+            if rows.contiguous:
+                x[rows.start : rows.end].scatter_add_(1, local, g.to(x.dtype))
+            else:  # each row of the chunk is its own: the slots' sum written into the zero rows
+                rows.put_(x, torch.zeros((rows.count, x.shape[1]), dtype=x.dtype, device=x.device)
+                          .scatter_add_(1, local, g.to(x.dtype)))  # fmt: skip
             return
         b = self.base
         acc = torch.promote_types(b.weight.dtype, torch.float32)
-        rows, inverse = torch.unique(local, return_inverse=True)
-        dz = torch.zeros((e - s, rows.numel()), dtype=acc, device=g.device).scatter_add_(1, inverse, g.to(acc))
+        ids, inverse = torch.unique(local, return_inverse=True)
+        dz = torch.zeros((rows.count, ids.numel()), dtype=acc, device=g.device).scatter_add_(1, inverse, g.to(acc))
         if "hidden" in grads:
-            grads["hidden"][s:e] = dz @ b.weight[rows].to(acc)
+            rows.put_(grads["hidden"], dz @ b.weight[ids].to(acc))
         if "weight" in grads:
-            grads["weight"].index_add_(0, rows, dz.t() @ b.hidden[s:e].to(acc))
+            grads["weight"].index_add_(0, ids, dz.t() @ rows.take(b.hidden).to(acc))
         if "bias" in grads:
-            grads["bias"].index_add_(0, rows, dz.sum(0))
+            grads["bias"].index_add_(0, ids, dz.sum(0))
 
     # the head protocol (`lmloss.chunks`)
 
@@ -181,7 +189,7 @@ class SlotsHead:
     def source(self, rows: int, cols: int) -> SlotRows:
         return SlotRows(self)
 
-    def pass_with_sink(self, rows: int, cols: int, needs):
+    def pass_with_sink(self, rows: int, cols: int, needs, selection=None, single_chunk=False):
         source = SlotRows(self)
         if not any(needs):
             return source, None

@@ -99,11 +99,11 @@ class Sampling:
     k_max: int = 0
     log_kept_mass: bool = False
 
-    def rows(self, s: int, e: int) -> dict[str, torch.Tensor | int | float | None]:
-        """The parameters of tokens ``[s, e)``."""
+    def rows(self, rows) -> dict[str, torch.Tensor | int | float | None]:
+        """The parameters of a chunk's tokens (`lmloss.rows.Rows`)."""
 
         def part(v):
-            return v[s:e] if isinstance(v, torch.Tensor) else v
+            return rows.take(v) if isinstance(v, torch.Tensor) else v
 
         return dict(top_k=part(self.top_k), top_p=part(self.top_p), min_p=part(self.min_p))
 

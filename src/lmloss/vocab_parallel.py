@@ -251,7 +251,7 @@ PER_RANK_FIELDS = ("error", "V_local", "vocab_start", "label_min", "label_max")
 HOST_FIELDS = (
     "error", "V_local", "vocab_start", "vocab_start_given", "vocab_size", "check_ranks", "op", "outputs",
     "reduction", "dtype", "grad", "mean_group", "n_tokens", "hidden_width", "sequence_parallel", "chunk_size",
-    "chunk_budget", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
+    "chunk_budget", "weight_grad_dtype", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
     # lmloss.distill: the divergence and the teacher
     "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width", "teacher_softcap",
     # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation; a replayed support's width
@@ -288,7 +288,8 @@ _SHOWN = {
     "grad": "whether gradients will be needed (bits: 1 logits / hidden, 2 weight, 4 bias; grad mode and requires_grad)",
     "mean_group": "mean_group (its size; -1: None)",
     "chunk_size": "chunk_size (-1: None, -2: 'auto')",
-    "chunk_budget": "LMLOSS_CHUNK_BUDGET_MIB (fused ops with chunk_size='auto'; -1.0 otherwise)",
+    "chunk_budget": "the memory budget in MiB (memory_budget_mib, LMLOSS_CHUNK_BUDGET_MIB or the default; -1.0: not used)",
+    "weight_grad_dtype": "weight_grad_dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",
     "softcap": "softcap (0.0: None)",
     "impl": "impl (0: torch, 1: triton)",
     "top_k_max": "top_k (its largest value; 0: None)",

@@ -760,7 +760,7 @@ def _references(g: dict, kw: dict, *, fused: bool) -> dict:
     logp_all = torch.log_softmax(z, dim=-1)
     picked = logp_all.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0]
     logp = torch.where(valid, picked, 0.0)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0)  # an ignored token: 0, no gradient
     ((logp * g["w_logprobs"].double()).sum() + (ent * g["w_entropy"].double()).sum()).backward()
     ref["logprobs"], ref["entropy"] = logp.detach(), ent.detach()
     ref["lp_grads"] = [t.grad for t in leaves]

@@ -134,8 +134,10 @@ def _reference(x, labels, kept):
     logp = y.masked_fill(~kept, -INF).log_softmax(-1)
     valid = labels != -100
     lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
-    ent = -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1)
+    # an ignored token counts for nothing: its entropy and kept mass are 0 too
+    ent = torch.where(valid, -(logp.exp() * logp.masked_fill(~kept, 0.0)).sum(-1), 0.0)
     mass = torch.logsumexp(y.masked_fill(~kept, -INF), -1) - torch.logsumexp(y, -1)
+    mass = torch.where(valid, mass, 0.0)
     (lp + ent).sum().backward()
     return lp.detach(), ent.detach(), mass.detach(), x.grad
 

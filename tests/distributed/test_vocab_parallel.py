@@ -203,7 +203,7 @@ def _refs(logits, labels, w1, w2, *, vocab_size=None):
 
     logp_all = torch.log_softmax(real / T, -1)
     logp = torch.where(valid, logp_all.gather(-1, safe[..., None]).squeeze(-1), 0.0)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0)  # an ignored token: 0, no gradient
     ((logp * w1.double()).sum() + (ent * w2.double()).sum()).backward()
     out = {"logprobs": logp.detach(), "entropy": ent.detach(), "grad_logprobs_entropy": x.grad}
 
@@ -386,7 +386,8 @@ def test_invariant_one_process_outputs_are_the_float64_math(one_process_invarian
     valid = d["labels"] != -100
     lp = torch.where(valid, logp.gather(1, d["labels"].clamp(min=0)[:, None])[:, 0], 0.0)
     torch.testing.assert_close(got["logprobs"].double(), lp, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(got["entropy"].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=2e-5)
+    entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    torch.testing.assert_close(got["entropy"].double(), entropy, rtol=1e-5, atol=2e-5)
     z = torch.addmm(d["bias"].double(), d["hidden"].double(), d["weight"].double().T)[:, : inv.VOCAB] / inv.T
     fused = z.log_softmax(-1)
     torch.testing.assert_close(got["fused"][0].double(),

@@ -613,8 +613,8 @@ def token_logprobs(
         fp32 ``[B, S]``, aligned with the tokens: ``logprobs[:, t] = log softmax(logits[:, t - 1] / T)
         [labels[:, t]]``, the log-prob of token ``t`` given the tokens before it; 0.0 at ``t = 0`` and
         where ``labels`` is ``ignore_index``. With ``return_entropy``, ``(logprobs, entropy)`` where
-        ``entropy[:, t]`` is the entropy of that same distribution (0.0 at ``t = 0``; mask it with your
-        response mask).
+        ``entropy[:, t]`` is the entropy of that same distribution (0.0 at ``t = 0`` and where ``labels``
+        is ``ignore_index``: those positions are not computed at all).
     """
     head_transform(model)  # refuses what the fused head cannot reproduce, before any forward
     if input_ids.dim() != 2:

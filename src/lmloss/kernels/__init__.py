@@ -250,6 +250,13 @@ class ChunkScratch:
             self._buffers[(name, dtype)] = buf
         return buf[:rows, :cols]
 
+    def contiguous(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` tensor over the storage of the buffer `name` (``rows * cols`` at most
+        the buffer's size), for outputs that must be contiguous (a matmul's ``out=``); its values are not
+        those `get` shows at the same indices."""
+        buf = self.get(name, self.rows, self.cols, dtype)
+        return buf.view(-1)[: rows * cols].view(rows, cols)
+
 
 
 def scale_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

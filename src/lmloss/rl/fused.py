@@ -30,6 +30,7 @@ from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
 from lmloss.metrics import StatsTracker
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, Reference, SoftmaxObjective
+from lmloss.rl.aggregation import check_mask
 from lmloss.rl.objectives import (
     Objective,
     PerToken,
@@ -39,6 +40,7 @@ from lmloss.rl.objectives import (
     record_metrics,
     token_weights_of,
 )
+from lmloss.rows import Rows
 from lmloss.sampling import make_sampling, report_dropped
 from lmloss.vocab_parallel import ProcessGroup
 
@@ -72,25 +74,27 @@ class PolicyUpstream:
     def __init__(self, objective: Objective, x: PerToken) -> None:
         self.objective, self.x = objective, x
 
-    def _terms(self, s, e, lp, ent, dropped, kl=None) -> torch.Tensor:
+    def _terms(self, rows: Rows, lp, ent, dropped, kl=None) -> torch.Tensor:
         x = self.x
-        mask = x.mask[s:e] if dropped is None else x.mask[s:e] & ~dropped
+
+        def take(t):
+            return None if t is None else rows.take(t)
+
+        mask = take(x.mask) if dropped is None else take(x.mask) & ~dropped
         if dropped is not None:  # outside the kept set: -inf, left out of the objective (and finite here)
             lp = torch.where(dropped, 0.0, lp)
         per_tok, _ = self.objective.per_token(
-            lp, x.old_logprobs[s:e], x.advantages[s:e], mask,
-            ref_logprobs=None if x.ref_logprobs is None else x.ref_logprobs[s:e], entropy=ent,
-            rollout_is_weights=None if x.rollout_is_weights is None else x.rollout_is_weights[s:e],
-            pg_mask=None if x.pg_mask is None else x.pg_mask[s:e], kl=kl,
+            lp, take(x.old_logprobs), take(x.advantages), mask, ref_logprobs=take(x.ref_logprobs), entropy=ent,
+            rollout_is_weights=take(x.rollout_is_weights), pg_mask=take(x.pg_mask), kl=kl,
         )  # fmt: skip
-        return torch.where(mask, x.token_weights[s:e] * per_tok, 0.0)
+        return torch.where(mask, take(x.token_weights) * per_tok, 0.0)
 
-    def __call__(self, s: int, e: int, stats: dict) -> tuple[dict, torch.Tensor]:
+    def __call__(self, rows: Rows, stats: dict) -> tuple[dict, torch.Tensor]:
         with torch.enable_grad():
             given = {k: stats.get(k) for k in ("logprobs", "entropy", "kl")}
             leaves = {k: v.detach().requires_grad_(True) for k, v in given.items() if v is not None}
             terms = self._terms(
-                s, e, leaves["logprobs"], leaves.get("entropy"), stats.get("dropped"), leaves.get("kl")
+                rows, leaves["logprobs"], leaves.get("entropy"), stats.get("dropped"), leaves.get("kl")
             )  # fmt: skip
             grads = torch.autograd.grad(terms.sum(), list(leaves.values()), allow_unused=True)
         out = {k: (None if g is None else g.detach()) for k, g in zip(leaves, grads)}
@@ -101,7 +105,7 @@ class PolicyUpstream:
     def evaluate(self, results: dict) -> torch.Tensor:
         """The objective over all tokens at once (no gradient was made chunk by chunk), float64."""
         lp = results["logprobs"]
-        terms = self._terms(0, lp.shape[0], lp, results.get("entropy"), results.get("dropped"), results.get("kl"))
+        terms = self._terms(Rows(0, lp.shape[0]), lp, results.get("entropy"), results.get("dropped"), results.get("kl"))
         return terms.double().sum()
 
     def finish_total(self, total: torch.Tensor, results: dict) -> torch.Tensor:
@@ -119,6 +123,7 @@ def linear_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
+    mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     loss_mode: str = "vanilla",
     clip_ratio: float = 0.2,
@@ -147,6 +152,7 @@ def linear_policy_loss(
     chunk_size: int | str | None = "auto",
     weight_grad_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    memory_budget_mib: float | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -176,7 +182,10 @@ def linear_policy_loss(
     Args:
         hidden, weight, bias, labels: as in `lmloss.linear_token_logprobs` (``[..., H]``, ``[V_local, H]``,
             ``[V_local]``, ``[...]``; with `sequence_parallel`, labels and every per-token tensor have the
-            gathered shape). ``labels == ignore_index`` is the mask.
+            gathered shape).
+        mask: bool / 0-1, the labels' shape: which tokens count (verl's ``response_mask``), combined with
+            ``labels != ignore_index`` (a token counts where both say so). None: the labels alone. Tokens that
+            do not count take no matmul and no softmax pass, and get exactly zero gradient.
         old_logprobs, advantages, ref_logprobs, rollout_is_weights, token_weights: per-token, labels' shape.
         The policy options (`loss_mode`, clips, `loss_agg_mode`, KL, `entropy_coeff`, `tracker`, ...): as
         in `policy_loss`; the entropy is the LM head's own (at `temperature`), computed when
@@ -244,17 +253,20 @@ def linear_policy_loss(
                 )
             check_reference_head(ref_hidden, ref_weight, hidden, weight)
         check_weights_or_mode(token_weights, loss_agg_mode)
-        mask = labels.reshape(expected) != ignore_index
+        counting = labels.reshape(expected) != ignore_index
+        if mask is not None:
+            counting = counting & check_mask(mask, expected)
         x = PerToken(
-            expected, mask, old_logprobs, advantages, ref_logprobs, None, rollout_is_weights, token_weights,
+            expected, counting, old_logprobs, advantages, ref_logprobs, None, rollout_is_weights, token_weights,
             pg_mask=pg_mask, cov_selection=cov_selection,
         )  # fmt: skip
         if x.token_weights is None:
             x.token_weights = token_weights_of(x.mask.view(expected), loss_agg_mode, cu_seqlens, horizon,
                                                x.advantages.dtype).reshape(-1)  # fmt: skip
-        state.update(objective=objective, x=x, mask=mask)
+        state.update(objective=objective, x=x, mask=counting)
         n = math.prod(expected)
         out = {
+            "counting": counting.reshape(-1),
             "options": dict(
                 loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
@@ -264,7 +276,7 @@ def linear_policy_loss(
             "tensors": dict(
                 advantages=x.advantages, old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
                 rollout_is_weights=x.rollout_is_weights, token_weights=x.token_weights, pg_mask=x.pg_mask,
-                cov_selection=x.cov_selection,
+                cov_selection=x.cov_selection, mask=None if mask is None else counting,
             ),
         }  # fmt: skip
         if support is not None:
@@ -284,6 +296,7 @@ def linear_policy_loss(
         # (and the exps with an entropy gradient), all fp32
         **(dict(bytes_per_logit=20, chunk_buffers=3) if kl_loss_type == "full" else {}),
         invariant=invariant,
+        memory_budget_mib=memory_budget_mib,
     )  # fmt: skip
     objective, x, mask = state["objective"], state["x"], state["mask"]
     truncated = p.plan.sampling is not None or support is not None
