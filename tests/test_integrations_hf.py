@@ -532,7 +532,7 @@ def test_a_patched_model_warns_only_where_the_unpatched_model_does(arch):
 
 
 def _cache_field(out) -> str:
-    return "cache" if "cache" in out.keys() else "past_key_values"
+    return "cache" if "cache" in out else "past_key_values"
 
 
 def _trainer_run(model, tmp_path, data):

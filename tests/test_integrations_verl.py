@@ -31,9 +31,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import verl_support  # noqa: E402
-
 import lmloss  # noqa: E402
+import verl_support  # noqa: E402
 from lmloss.profiling import LiveTensorTracker  # noqa: E402
 from lmloss.sampling import KeptSetWarning  # noqa: E402
 
@@ -42,7 +41,11 @@ patching = verl_support.load_model_patch()
 LV = patching.integration
 CA = verl.core_algos
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # verl 0.9.1's dense forward passes past_key_values= (the name before transformers 5.x, which verl pins)
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+]
 
 VOCAB = 384
 VALUES = dict(atol=1e-5, rtol=1e-5)
@@ -150,7 +153,9 @@ def test_the_lmloss_backend_equals_verls_torch_backend(arch, layout, verl_env):
     torch.testing.assert_close(got.log_probs, want.log_probs, **VALUES)
     torch.testing.assert_close(got.entropy, want.entropy, **VALUES)
     assert_same_grads(got_grads, want_grads)
-    if layout == "ulysses":  # the shard's last position scores the next shard's first token, not its own first
+    if (
+        layout == "ulysses"
+    ):  # the shard's last position scores the next shard's first token, not its own first
         local = model(**{**kw, "shift_labels": None})
         assert not torch.allclose(local.log_probs[0, -1], got.log_probs[0, -1])
         torch.testing.assert_close(local.log_probs[0, :-1], got.log_probs[0, :-1])
@@ -167,7 +172,9 @@ def test_a_logit_softcap_is_applied_as_in_verls_unfused_path(verl_env):
     def unfused(**k):
         logits = reference(input_ids=k["input_ids"], position_ids=k["position_ids"], use_cache=False).logits
         logits = logits[0] / k["temperature"]
-        log_probs = patching.torch_functional.logprobs_from_logits(logits, k["shift_labels"][0], inplace_backward=False)
+        log_probs = patching.torch_functional.logprobs_from_logits(
+            logits, k["shift_labels"][0], inplace_backward=False
+        )
         entropy = patching.torch_functional.entropy_from_logits(logits)
         return type(got)(log_probs=log_probs[None], entropy=entropy[None])
 
@@ -184,7 +191,14 @@ def test_no_tokens_by_vocab_tensor_is_allocated(verl_env):
     reference = tiny_model("qwen2", vocab=vocab)
     model = lmloss_model(reference, verl_env, backend="lmloss:chunk_size=8")
     ids, pos, rolled = packed((50, 40, 30), vocab=vocab)
-    kw = dict(input_ids=ids, position_ids=pos, shift_labels=rolled, temperature=1.0, return_dict=True, use_cache=False)
+    kw = dict(
+        input_ids=ids,
+        position_ids=pos,
+        shift_labels=rolled,
+        temperature=1.0,
+        return_dict=True,
+        use_cache=False,
+    )
     logits_bytes = ids.numel() * vocab * 4  # one fp32 [tokens, vocab] tensor
     torch_forward = patching.dense_common.forward_with_torch_backend
     largest = {}
@@ -220,8 +234,10 @@ def _greedy_tokens(model, n: int, prompt: int = 3) -> torch.Tensor:
 @pytest.mark.parametrize(
     "backend,warpers",
     [
-        ("lmloss:top_k=${rollout.top_k},top_p=0.8", lambda: [transformers.TopKLogitsWarper(20),
-                                                             transformers.TopPLogitsWarper(0.8)]),
+        (
+            "lmloss:top_k=${rollout.top_k},top_p=0.8",
+            lambda: [transformers.TopKLogitsWarper(20), transformers.TopPLogitsWarper(0.8)],
+        ),
         ("lmloss: min_p = 0.1 , top_k = -1", lambda: [transformers.MinPLogitsWarper(0.1)]),
     ],
     ids=["top_k+top_p", "min_p"],
@@ -262,7 +278,14 @@ def test_the_rollouts_truncation_reaches_the_actors_log_probs(backend, warpers, 
 def test_invariant_head_gives_the_same_bits_whatever_the_chunking(verl_env):
     reference = tiny_model("qwen3")
     ids, pos, rolled = packed((120, 90, 100))  # 310 tokens: several 128-row chunks
-    kw = dict(input_ids=ids, position_ids=pos, shift_labels=rolled, temperature=0.7, return_dict=True, use_cache=False)
+    kw = dict(
+        input_ids=ids,
+        position_ids=pos,
+        shift_labels=rolled,
+        temperature=0.7,
+        return_dict=True,
+        use_cache=False,
+    )
     outs = []
     for backend in ("lmloss:invariant=true,chunk_size=128", "lmloss:invariant=true,chunk_size=none"):
         with torch.no_grad():
@@ -295,7 +318,9 @@ def test_only_the_instance_is_patched_and_it_leaves_nothing_behind(verl_env, mon
         got_a = a(**kw)
     got_b = b(**kw)
     torch.testing.assert_close(got_a.log_probs[0], want_a, **VALUES)  # A: lmloss with its top-k
-    torch.testing.assert_close(got_b.log_probs, patching.dense_common.forward_with_torch_backend(reference, **kw).log_probs)
+    torch.testing.assert_close(
+        got_b.log_probs, patching.dense_common.forward_with_torch_backend(reference, **kw).log_probs
+    )
     # unpatch: A's forward is its class's again (now verl's torch backend, set by B's patch)
     LV.unpatch(a)
     assert not LV.is_patched(a) and "forward" not in a.__dict__
@@ -307,6 +332,26 @@ def test_only_the_instance_is_patched_and_it_leaves_nothing_behind(verl_env, mon
     del c
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe", "llama", "mistral"],
+)
+def test_each_family_gets_the_forward_verl_gives_it(model_type, monkeypatch):
+    # verl's own dispatch (patch_forward_with_backends with the torch backend) on a stand-in model of a fresh
+    # class; verl's VL modules do not import with this venv's transformers, so stand-ins take their place
+    import sys
+    import types
+
+    for family in ("qwen2_vl", "qwen3_vl", "glm4v", "qwen3_5"):
+        stub = types.ModuleType(f"verl.models.transformers.{family}")
+        stub.forward_with_torch_backend = lambda self, **kw: None
+        stub.forward_with_triton_backend = lambda self, **kw: None
+        monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    model = type("StandIn", (), {"forward": None, "config": types.SimpleNamespace(model_type=model_type)})()
+    patching.monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    assert type(model).__dict__["forward"] is LV._verl_torch_forward(model)
 
 
 def test_verls_own_backends_are_unchanged_by_the_import():
@@ -328,7 +373,9 @@ def test_verls_own_backends_are_unchanged_by_the_import():
 
 def test_backend_strings_and_options_are_checked():
     assert LV.backend_options("lmloss") == LV.HeadOptions()
-    opts = LV.backend_options(" lmloss: top_k=-1, top_p=1, min_p=0.0, invariant=true, chunk_size=auto, impl=torch ")
+    opts = LV.backend_options(
+        " lmloss: top_k=-1, top_p=1, min_p=0.0, invariant=true, chunk_size=auto, impl=torch "
+    )
     assert opts == LV.HeadOptions(invariant=True, impl="torch")  # verl's "off" values are off
     assert LV.backend_options("lmloss:top_k=50,top_p=0.95,chunk_size=none").op_kwargs() == dict(
         top_k=50, top_p=0.95, min_p=None, invariant=False, chunk_size=None, impl="auto"
@@ -347,6 +394,32 @@ def test_backend_strings_and_options_are_checked():
             LV.backend_options(spec)
     with pytest.raises(TypeError, match="top_k"):
         LV.HeadOptions(top_k=0.5)
+
+
+def test_the_pages_config_lines_resolve_to_the_backend_and_its_options():
+    # docs/use_in_your_stack.md: the three command-line lines and the YAML block interpolating the rollout's
+    # values, resolved by OmegaConf as verl's config is
+    import re
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "use_in_your_stack.md").read_text()
+    lines = re.search(r"```bash\n(actor_rollout_ref.model.external_lib=.*?)```", page, flags=re.S)[1].split()
+    assert dict(line.split("=", 1) for line in lines) == {
+        "actor_rollout_ref.model.external_lib": LV.__name__,
+        "actor_rollout_ref.model.use_fused_kernels": "True",
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend": LV.BACKEND,
+    }
+    config = OmegaConf.merge(
+        OmegaConf.create(re.search(r"```yaml\n(.*?)```", page, flags=re.S)[1]),
+        {"actor_rollout_ref": {"rollout": {"top_k": -1, "top_p": 0.95}}},  # verl's rollout config
+    )
+    model = config.actor_rollout_ref.model
+    assert model.external_lib == LV.__name__ and model.use_fused_kernels is True
+    assert LV.backend_options(model.fused_kernel_options.impl_backend) == LV.HeadOptions(
+        top_p=0.95, invariant=True
+    )
 
 
 def test_patch_refuses_a_head_with_a_bias_and_keeps_other_backends_to_verl(verl_env, capsys):
@@ -381,7 +454,13 @@ POLICY = {
     "kl_cov": dict(kl_cov_ratio=0.2, ppo_kl_coef=0.3),
     "dro": dict(dro_beta=0.3),
 }
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG_MODES = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
 #: what verl's actor sets per step on a DP rank (ppo_loss in verl/workers/utils/losses.py)
 GLOBAL_BATCH = dict(dp_size=2, batch_num_tokens=37, global_batch_size=9, loss_scale_factor=11)
 EXACT = dict(rtol=1e-9, atol=1e-12)
@@ -441,12 +520,16 @@ def test_policy_loss_fn_equals_verls_function(mode, agg, global_batch):
 def test_geo_mean_equals_verl_whatever_the_agg_mode(agg):
     # verl's GMPO ignores loss_agg_mode and the global counts: the mean over every row (empty ones too).
     # A float mask: where verl keeps its 1e-8 in the lengths, as lmloss.rl does (bool: the next test)
-    want, got = both("geo_mean", agg, actor_config("geo_mean", GLOBAL_BATCH), *rollout_batch(mask_dtype=torch.float64))
+    want, got = both(
+        "geo_mean", agg, actor_config("geo_mean", GLOBAL_BATCH), *rollout_batch(mask_dtype=torch.float64)
+    )
     assert_equal_losses(got, want)
 
 
-CORE_EPS = ("core: lmloss.rl divides by a sequence's length + 1e-8 in float64; verl adds 1e-8 to the integer "
-            "count of a bool mask in float32, where it rounds away")
+CORE_EPS = (
+    "core: lmloss.rl divides by a sequence's length + 1e-8 in float64; verl adds 1e-8 to the integer "
+    "count of a bool mask in float32, where it rounds away"
+)
 
 
 @pytest.mark.xfail(strict=True, reason=CORE_EPS)
@@ -459,8 +542,12 @@ def test_geo_mean_with_verls_bool_mask():
 @pytest.mark.parametrize("mode", list(ACTOR))
 def test_rollout_is_weights_enter_as_in_verl(mode):
     lp, old, adv, mask = rollout_batch(1, mask_dtype=torch.float64 if mode == "geo_mean" else torch.bool)
-    is_weights = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.25
-    want, got = both(mode, "seq-mean-token-sum", actor_config(mode, GLOBAL_BATCH), lp, old, adv, mask, is_weights)
+    is_weights = (
+        torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.25
+    )
+    want, got = both(
+        mode, "seq-mean-token-sum", actor_config(mode, GLOBAL_BATCH), lp, old, adv, mask, is_weights
+    )
     assert_equal_losses(got, want)
 
 
@@ -477,7 +564,9 @@ BYPASS = {
 
 def bypass(correction: dict, agg: str, mask_dtype=torch.bool):
     lp, _, adv, mask = rollout_batch(2, mask_dtype=mask_dtype)
-    rollout = lp.detach() + 0.3 * torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    rollout = lp.detach() + 0.3 * torch.randn(
+        B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(7)
+    )
     config = verl_support.actor_config(
         verl, loss_mode="bypass_mode", clip_ratio_low=0.1, clip_ratio_high=0.28,
         policy_loss=dict(rollout_correction=verl.RolloutCorrectionConfig(bypass_mode=True, **correction)),

@@ -45,7 +45,8 @@ differs from verl on purpose, docs/rl.md, this adapter reproduces verl). In verl
 ``actor_rollout_ref.actor.policy_loss.loss_mode=lmloss_<mode>`` with this module as ``external_lib``.
 
 Tested against verl 0.9.1 (the ``lmloss[verl]`` extra pins it): the forward against verl's ``torch``
-backend and its unfused path on tiny models, the losses against ``core_algos`` (tests/test_integrations_verl.py).
+backend and its unfused path on tiny models, the losses against ``core_algos``
+(tests/test_integrations_verl.py).
 This module imports verl; `lmloss.integrations` does not import this module.
 """
 
@@ -99,9 +100,9 @@ VERL_LOSS_MODES = (
 )  # fmt: skip
 
 _STATE_ATTR = "_lmloss_verl_patch"
-# model_type -> the verl module whose ``forward_with_torch_backend`` verl 0.9.1's ``patch_forward_with_backends``
-# picks for it (every other model type: ``dense_common``). tests/test_integrations_verl.py checks the choice
-# against verl's own function.
+# model_type -> the verl module whose ``forward_with_torch_backend`` verl 0.9.1's
+# ``patch_forward_with_backends`` picks for it (every other model type: ``dense_common``); the tests check
+# the choice against verl's own function.
 _FAMILY_MODULES = {
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
     "glm4v": "glm4v", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5",
@@ -114,13 +115,13 @@ class HeadOptions:
     """The fused head's options in verl (`lmloss.linear_token_logprobs`' arguments of the same names).
 
     verl's "off" values are accepted and mean off: ``top_k <= 0`` (verl's rollout default -1, TRL's 0),
-    ``top_p >= 1``, ``min_p == 0``; so ``top_k=${actor_rollout_ref.rollout.top_k}`` can be passed as is.
+    ``top_p == 1``, ``min_p == 0``; so ``top_k=${actor_rollout_ref.rollout.top_k}`` can be passed as is.
 
     Attributes:
         top_k, top_p, min_p: score under the rollout engine's truncated distribution (vLLM's order: min-p,
             top-k, top-p, after the temperature; docs/sampling.md). A sampled token outside the kept set the
-            trainer recomputes gets log-prob -inf (and lmloss warns); so do prompt tokens and the
-            boundary positions verl drops from the loss.
+            trainer recomputes gets log-prob -inf (and lmloss warns); positions that score no sampled token
+            (the prompt, each sequence's last position) may too, and verl drops them from the loss.
         invariant: the head's outputs are the same bits whatever the batch, the packing and the chunking
             (docs/invariant.md; the model body's hidden states are not covered).
         chunk_size: tokens per chunk, ``"auto"`` (a memory budget) or None (one chunk).
@@ -159,7 +160,11 @@ class HeadOptions:
         if not isinstance(self.invariant, bool):
             raise TypeError(f"invariant must be a bool, got {self.invariant!r}")
         chunk = self.chunk_size
-        if not (chunk is None or chunk == "auto" or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1)):
+        if not (
+            chunk is None
+            or chunk == "auto"
+            or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1)
+        ):
             raise ValueError(f"chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
@@ -182,7 +187,9 @@ def backend_options(spec: str) -> HeadOptions:
         raise TypeError(f"fused_kernels_backend must be a string, got {type(spec).__name__}")
     name, _, rest = spec.strip().partition(":")
     if name.strip() != BACKEND:
-        raise ValueError(f"fused_kernels_backend {spec!r} is not lmloss's ({BACKEND!r} or '{BACKEND}:options')")
+        raise ValueError(
+            f"fused_kernels_backend {spec!r} is not lmloss's ({BACKEND!r} or '{BACKEND}:options')"
+        )
     fields = {f.name for f in dataclasses.fields(HeadOptions)}
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
@@ -361,7 +368,11 @@ def _patch_forward_with_backends(
     model: torch.nn.Module, use_fused_kernels: bool = False, fused_kernels_backend: str | None = None
 ) -> None:
     """verl's ``patch_forward_with_backends``, with ``lmloss`` (and ``lmloss:options``) among the backends."""
-    if use_fused_kernels and isinstance(fused_kernels_backend, str) and fused_kernels_backend.split(":")[0].strip() == BACKEND:
+    if (
+        use_fused_kernels
+        and isinstance(fused_kernels_backend, str)
+        and fused_kernels_backend.split(":")[0].strip() == BACKEND
+    ):
         patch(model, backend_options(fused_kernels_backend))
         print(f"Using lmloss backend for fused kernels in {type(model).__name__} (this instance's forward)")
         return None
@@ -405,7 +416,9 @@ def _verl_token_weights(
         value = batch_info.get(name)
         if value is None:
             if dp_size > 1:
-                raise ValueError(f"config.global_batch_info: {name} is required when dp_size > 1 (verl's agg_loss)")
+                raise ValueError(
+                    f"config.global_batch_info: {name} is required when dp_size > 1 (verl's agg_loss)"
+                )
             return local
         return value
 
@@ -457,12 +470,14 @@ def _objective_options(loss_mode: str, config: Any) -> dict[str, Any]:
     policy = getattr(config, "policy_loss", None)
     if loss_mode == "clip_cov":
         options.update(
-            clip_cov_ratio=_option(policy, "clip_cov_ratio", 0.0002), clip_cov_lb=_option(policy, "clip_cov_lb", 1.0),
+            clip_cov_ratio=_option(policy, "clip_cov_ratio", 0.0002),
+            clip_cov_lb=_option(policy, "clip_cov_lb", 1.0),
             clip_cov_ub=_option(policy, "clip_cov_ub", 5.0),
-        )  # fmt: skip
+        )
     elif loss_mode == "kl_cov":
         options.update(
-            kl_cov_ratio=_option(policy, "kl_cov_ratio", 0.0002), ppo_kl_coef=_option(policy, "ppo_kl_coef", 1.0)
+            kl_cov_ratio=_option(policy, "kl_cov_ratio", 0.0002),
+            ppo_kl_coef=_option(policy, "ppo_kl_coef", 1.0),
         )
     elif loss_mode == "dro":
         beta = getattr(policy, "dro_beta", None)
@@ -473,11 +488,20 @@ def _objective_options(loss_mode: str, config: Any) -> dict[str, Any]:
 
 
 def _policy_loss(
-    loss_mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    loss_mode: str,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    config,
+    rollout_is_weights,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     mask = lmloss.rl.aggregation.check_mask(response_mask, log_prob.shape, name="response_mask")
     if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be verl's padded [batch, response_length], got shape {tuple(log_prob.shape)}")
+        raise ValueError(
+            f"log_prob must be verl's padded [batch, response_length], got shape {tuple(log_prob.shape)}"
+        )
     batch_info = dict(getattr(config, "global_batch_info", None) or {})
     if loss_mode == "geo_mean":
         # verl: the mean over the batch's rows of each row's loss (rows without a valid token count, as 0),
@@ -487,10 +511,10 @@ def _policy_loss(
     else:
         mode = "seq-mean-token-mean" if loss_mode == "sapo" else loss_agg_mode  # verl fixes sapo's
         weights = _verl_token_weights(response_mask, mode, batch_info, log_prob.dtype)
-    objective = "reinforce" if loss_mode == "reinforce" else loss_mode
+    options = {} if loss_mode == "reinforce" else _objective_options(loss_mode, config)
     loss, metrics = lmloss.rl.policy_loss(
-        log_prob, old_log_prob, advantages, mask, loss_mode=objective, token_weights=weights,
-        rollout_is_weights=rollout_is_weights, **({} if loss_mode == "reinforce" else _objective_options(loss_mode, config)),
+        log_prob, old_log_prob, advantages, mask, loss_mode=loss_mode, token_weights=weights,
+        rollout_is_weights=rollout_is_weights, **options,
     )  # fmt: skip
     return loss, _verl_metrics(loss_mode, metrics, log_prob, old_log_prob, mask)
 
@@ -506,33 +530,48 @@ def _bypass_mode(
         raise ValueError("config.policy_loss.rollout_correction is required for loss_mode 'bypass_mode'")
     loss_type = _option(correction, "loss_type", "ppo_clip")
     if loss_type not in ("ppo_clip", "reinforce"):
-        raise ValueError(f"config.policy_loss.rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
+        raise ValueError(
+            "config.policy_loss.rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', "
+            f"got {loss_type!r}"
+        )
     mask = lmloss.rl.aggregation.check_mask(response_mask, log_prob.shape, name="response_mask")
-    level, threshold = getattr(correction, "rollout_is", None), _option(correction, "rollout_is_threshold", 2.0)
+    level, threshold = (
+        getattr(correction, "rollout_is", None),
+        _option(correction, "rollout_is_threshold", 2.0),
+    )
     weights = None
     # verl normalizes the weights over every process (its distributed_masked_mean on the default group)
-    world = torch.distributed.group.WORLD if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+    world = (
+        torch.distributed.group.WORLD
+        if torch.distributed.is_available() and torch.distributed.is_initialized()
+        else None
+    )
     with torch.no_grad():
         current = log_prob.detach()
         if level is not None and threshold is not None:
             normalize = bool(_option(correction, "rollout_is_batch_normalize", False))
             spec = str(threshold).strip()
+            common = dict(level=level, batch_normalize=normalize, group=world)
             if "_" in spec:  # "lower_upper": IcePop, zero outside the bounds
                 lower, upper = (float(v) for v in spec.split("_", 1))
-                weights = lmloss.rl.masked_is_weights(current, old_log_prob, mask, lower=lower, upper=upper,
-                                                      level=level, batch_normalize=normalize, group=world)  # fmt: skip
+                weights = lmloss.rl.masked_is_weights(
+                    current, old_log_prob, mask, lower=lower, upper=upper, **common
+                )
             else:  # one bound: TIS, capped
-                weights = lmloss.rl.truncated_is_weights(current, old_log_prob, mask, cap=float(spec), level=level,
-                                                         batch_normalize=normalize, group=world)  # fmt: skip
+                weights = lmloss.rl.truncated_is_weights(current, old_log_prob, mask, cap=float(spec), **common)
         rollout_rs = getattr(correction, "rollout_rs", None)
         if rollout_rs is not None:
             rs_threshold = getattr(correction, "rollout_rs_threshold", None)
             if rs_threshold is None:
-                raise ValueError("config.policy_loss.rollout_correction.rollout_rs_threshold is required with rollout_rs")
+                raise ValueError(
+                    "config.policy_loss.rollout_correction.rollout_rs_threshold is required with rollout_rs"
+                )
             mask = lmloss.rl.rejection_mask(current, old_log_prob, mask, rollout_rs=rollout_rs,
                                             rollout_rs_threshold=rs_threshold)  # fmt: skip
     if loss_type == "reinforce":
-        return _policy_loss("reinforce", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights)
+        return _policy_loss(
+            "reinforce", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights
+        )
     return _policy_loss("vanilla", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, None)
 
 
@@ -574,11 +613,20 @@ def policy_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
-            raise ValueError(f"config is required: verl's ActorConfig (actor_rollout_ref.actor) for {loss_mode!r}")
+            raise ValueError(
+                f"config is required: verl's ActorConfig (actor_rollout_ref.actor) for {loss_mode!r}"
+            )
         if loss_mode == "bypass_mode":
             return _bypass_mode(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
         return _policy_loss(
-            loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+            loss_mode,
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
         )
 
     fn.__name__ = fn.__qualname__ = f"{POLICY_LOSS_PREFIX}{loss_mode}"
@@ -602,7 +650,9 @@ def register_policy_losses(prefix: str = POLICY_LOSS_PREFIX) -> list[str]:
     for name in names:
         taken = registry.get(name)
         if taken is not None and getattr(taken, "__module__", None) != __name__:
-            raise ValueError(f"verl's POLICY_LOSS_REGISTRY already has {name!r} ({taken!r}); choose another prefix")
+            raise ValueError(
+                f"verl's POLICY_LOSS_REGISTRY already has {name!r} ({taken!r}); choose another prefix"
+            )
     for name, mode in zip(names, VERL_LOSS_MODES):
         registry[name] = policy_loss_fn(mode)
     return names
@@ -611,7 +661,9 @@ def register_policy_losses(prefix: str = POLICY_LOSS_PREFIX) -> list[str]:
 # ----------------------------------------------------------------------------------------- installation
 
 _VERL_PATCH_FORWARD_WITH_BACKENDS = getattr(
-    _verl_monkey_patch.patch_forward_with_backends, "__wrapped_verl__", _verl_monkey_patch.patch_forward_with_backends
+    _verl_monkey_patch.patch_forward_with_backends,
+    "__wrapped_verl__",
+    _verl_monkey_patch.patch_forward_with_backends,
 )
 _patch_forward_with_backends.__wrapped_verl__ = _VERL_PATCH_FORWARD_WITH_BACKENDS  # type: ignore[attr-defined]
 _verl_monkey_patch.patch_forward_with_backends = _patch_forward_with_backends
