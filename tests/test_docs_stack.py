@@ -7,7 +7,9 @@ with the environment ``torchrun --nproc_per_node 1`` would set.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import multiprocessing
 import os
@@ -39,6 +41,19 @@ def _blocks() -> list[tuple[str, str]]:
 BLOCKS = _blocks()
 
 
+def _shown() -> dict[str, str]:
+    """code -> what the page shows it prints: a plain ``` block right after the python block, nothing between."""
+    fences = list(re.finditer(r"^```(\w*)\n(.*?)^```$", DOC.read_text(), flags=re.S | re.M))
+    return {
+        block[2]: after[2]
+        for block, after in zip(fences, fences[1:])
+        if block[1] == "python" and after[1] == "" and after.start() == block.end() + 1
+    }
+
+
+SHOWN = _shown()
+
+
 def _why_not_run(code: str) -> str | None:
     """Why this environment cannot run a block (an optional dependency is missing), or None."""
     if "megatron.core" in code and importlib.util.find_spec("megatron") is None:
@@ -50,7 +65,13 @@ def _why_not_run(code: str) -> str | None:
     for module in ("trl", "datasets", "tokenizers"):
         if f"import {module}" in code and importlib.util.find_spec(module) is None:
             return f"{module} is not installed (optional: the trl extra)"
+    if _imports_verl(code) and importlib.util.find_spec("verl") is None:
+        return "verl is not installed (optional: the verl extra; make venv installs it)"
     return None
+
+
+def _imports_verl(code: str) -> bool:
+    return bool(re.search(r"^(from|import) (verl\b|lmloss\.integrations\.verl)|integrations import verl", code, re.M))
 
 
 def _run_blocks(codes: list[str], out_path: str) -> None:
@@ -68,6 +89,12 @@ def _run_blocks(codes: list[str], out_path: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
         LOCAL_WORLD_SIZE="1",
     )  # fmt: skip
+    if any(_imports_verl(code) for code in codes):
+        # verl's modules, imported as the verl tests import them (ray stubbed where it is not installed): the
+        # blocks' own imports of verl then find them loaded
+        import verl_support
+
+        verl_support.load_model_patch()
     results = []
     for i, code in enumerate(codes):
         # what `torchrun --nproc_per_node 1` sets, for the blocks written for torchrun only (with it set,
@@ -75,11 +102,13 @@ def _run_blocks(codes: list[str], out_path: str) -> None:
         launched = 'init_process_group("gloo")' in code
         if launched:
             os.environ.update(torchrun_env)
+        printed = io.StringIO()
         try:
-            exec(compile(code, f"<{DOC.name} block {i}>", "exec"), {"__name__": "__main__"})
-            results.append(None)
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, f"<{DOC.name} block {i}>", "exec"), {"__name__": "__main__"})
+            results.append({"error": None, "printed": printed.getvalue()})
         except BaseException:
-            results.append(traceback.format_exc()[-3000:])
+            results.append({"error": traceback.format_exc()[-3000:], "printed": printed.getvalue()})
         finally:
             if launched:
                 for key in torchrun_env:
@@ -90,7 +119,7 @@ def _run_blocks(codes: list[str], out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def block_errors() -> dict[int, str | None]:
+def block_errors() -> dict[int, dict]:
     runnable = [i for i, (_, code) in enumerate(BLOCKS) if _why_not_run(code) is None]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
@@ -113,9 +142,10 @@ def block_errors() -> dict[int, str | None]:
 def test_the_page_has_a_block_for_every_stack():
     headings = {h for h, _ in BLOCKS}
     assert len(BLOCKS) >= 6
-    for stack in ("Hugging Face", "Trainer", "FSDP2", "RL scoring", "Megatron"):
+    for stack in ("Hugging Face", "Trainer", "FSDP2", "RL scoring", "verl", "Megatron"):
         assert any(stack in h for h in headings), stack
     assert any("trl.SFTTrainer" in code for _, code in BLOCKS)  # TRL's SFTTrainer runs, not only described
+    assert any(_imports_verl(code) and code in SHOWN for _, code in BLOCKS)  # the verl recipe, with its output
 
 
 @pytest.mark.parametrize(
@@ -126,5 +156,7 @@ def test_doc_block_runs_as_written(index, block_errors):
     reason = _why_not_run(code)
     if reason is not None:
         pytest.skip(reason)
-    error = block_errors[index]
-    assert error is None, f"block {index} under '{heading}' failed:\n{error}"
+    result = block_errors[index]
+    assert result["error"] is None, f"block {index} under '{heading}' failed:\n{result['error']}"
+    if code in SHOWN:  # the page shows what it prints: exactly that
+        assert result["printed"] == SHOWN[code], f"block {index} under '{heading}' printed:\n{result['printed']}"

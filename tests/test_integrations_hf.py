@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+import lmloss  # noqa: E402
 from lmloss.integrations import hf  # noqa: E402
 from lmloss.profiling import LiveTensorTracker  # noqa: E402
 
@@ -422,6 +423,116 @@ def test_token_logprobs_and_entropy_match_log_softmax_of_transformers_logits():
     labels = ids.clone()
     labels[:, 5] = -100
     assert (hf.token_logprobs(patched, ids, labels)[:, 5] == 0).all()
+
+
+def _greedy(model, prompt: int, total: int, seed: int = 4):
+    """``[1, total]``: a random prompt, then the model's argmax at each step (inside any kept set)."""
+    ids = torch.randint(0, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for _ in range(total - prompt):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize(
+    "sampling,warpers",
+    [
+        (dict(top_k=20, top_p=0.8), lambda: [transformers.TopKLogitsWarper(20), transformers.TopPLogitsWarper(0.8)]),
+        (dict(min_p=0.1), lambda: [transformers.MinPLogitsWarper(0.1)]),
+    ],
+    ids=["top_k+top_p", "min_p"],
+)
+def test_token_logprobs_under_the_rollouts_truncation_match_transformers_warpers(sampling, warpers):
+    # the reference: transformers' own sampling warpers (what generate() samples from) on the logits / T
+    reference = tiny_model("qwen3")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids = _greedy(reference, prompt=3, total=14)
+    labels = ids.clone()
+    labels[:, :3] = -100  # the prompt: not sampled, not scored
+    lp, ent = hf.token_logprobs(patched, ids, labels, temperature=0.7, return_entropy=True, **sampling)
+    logits = reference(ids).logits[0, :-1] / 0.7
+    for warper in warpers():
+        logits = warper(ids, logits)
+    logp = logits.log_softmax(-1)
+    want_lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    want_ent = -(logp.exp() * logp.masked_fill(logits == float("-inf"), 0.0)).sum(-1)
+    scored = slice(2, None)  # positions 3.. (the completion), shifted by one
+    torch.testing.assert_close(lp[0, 3:], want_lp[scored], **TOL)
+    torch.testing.assert_close(ent[0, 3:], want_ent[scored], **TOL)
+    assert (lp[0, 3:] > hf.token_logprobs(reference, ids, labels, temperature=0.7)[0, 3:] + 1e-4).any()
+    g = torch.randn(11, generator=torch.Generator().manual_seed(5))
+    ((lp[0, 3:] + ent[0, 3:]) * g).sum().backward()
+    ((want_lp[scored] + want_ent[scored]) * g).sum().backward()
+    assert_same_grads(
+        {n: p.grad for n, p in patched.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}
+    )
+
+
+def test_token_logprobs_invariant_head_gives_the_same_bits_whatever_the_chunking():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 151), generator=torch.Generator().manual_seed(6))  # 300 scored rows
+    with torch.no_grad():
+        a = hf.token_logprobs(model, ids, invariant=True, chunk_size=128, return_entropy=True)
+        b = hf.token_logprobs(model, ids, invariant=True, chunk_size=None, return_entropy=True)
+        hidden = model.model(ids)[0][:, :-1]
+        want = lmloss.linear_token_logprobs(hidden, model.lm_head.weight, ids[:, 1:], invariant=True,
+                                            return_entropy=True)  # fmt: skip
+    for x, y, w in zip(a, b, want):
+        assert torch.equal(x, y) and torch.equal(x[:, 1:], w)
+
+
+def _warnings_during(fn) -> set[str]:
+    """Every Python warning and every transformers log record at WARNING or above while `fn` runs (the
+    ``warning_once`` cache cleared first, so each message shows whatever ran before)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.warning_once.cache_clear()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        logger.removeHandler(handler)
+    return {f"{w.category.__name__}: {w.message}" for w in caught} | {r.getMessage() for r in records}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_a_patched_model_warns_only_where_the_unpatched_model_does(arch):
+    reference = tiny_model(arch)
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, mask, labels = batch()
+
+    def use(model, extra=()):
+        model.train()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()  # the fused loss when patched
+        model(ids, attention_mask=mask, labels=labels, return_dict=False)
+        model(ids, attention_mask=mask)  # no labels: the original forward
+        with torch.no_grad():
+            out = model(ids[:, :5], use_cache=True)
+            cache = out[_cache_field(out)]
+            model(ids[:, 5:6], None, None, cache)  # the cache as the fourth positional argument
+            model.eval()
+            model(ids, attention_mask=mask, labels=labels)
+            model.generate(ids[:1, :4], max_new_tokens=2, do_sample=False)
+        for call in extra:
+            call()
+        model.train()
+
+    want = _warnings_during(lambda: use(reference))
+    got = _warnings_during(lambda: use(patched, [lambda: hf.token_logprobs(patched, ids, attention_mask=mask)]))
+    assert got <= want, got - want
+
+
+def _cache_field(out) -> str:
+    return "cache" if "cache" in out else "past_key_values"
 
 
 def _trainer_run(model, tmp_path, data):

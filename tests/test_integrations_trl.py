@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+import lmloss  # noqa: E402
 from lmloss.integrations import trl as lmloss_trl  # noqa: E402
 from lmloss.profiling import peak_memory  # noqa: E402
 
@@ -124,3 +125,39 @@ def test_patch_refuses_what_is_not_a_grpo_trainer():
         lmloss_trl.patch(object())
     with pytest.raises(ValueError, match="not patched"):
         lmloss_trl.unpatch(object())
+
+
+def test_sampler_truncation_scores_under_the_generations_top_k_top_p_and_invariant_reaches_the_head(tmp_path):
+    # the reference: transformers' sampling warpers (what generate() samples from) on the model's logits / T
+    model = tiny_llama()
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=6,
+        report_to="none", use_cpu=True, bf16=False, temperature=0.7, top_k=30, top_p=0.9, min_p=None,
+        generation_kwargs={"top_p": 0.8},  # overrides args.top_p, as TRL passes it to generate / vLLM
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["t9 t10"]}),
+    )  # fmt: skip
+    assert lmloss_trl.generation_truncation(trainer) == dict(top_k=30, top_p=0.8, min_p=None)
+    lmloss_trl.patch(trainer, sampler_truncation=True, invariant=True)
+    ids = torch.randint(8, VOCAB, (1, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # greedy completion tokens: inside any kept set
+        for _ in range(5):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    mask = torch.ones_like(ids)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 5, compute_entropy=True)
+    logits = model(ids).logits[0, -6:-1] / 0.7
+    for warper in (transformers.TopKLogitsWarper(30), transformers.TopPLogitsWarper(0.8)):
+        logits = warper(ids, logits)
+    logp = logits.log_softmax(-1)
+    want = logp.gather(-1, ids[0, -5:, None])[:, 0]
+    want_ent = -(logp.exp() * logp.masked_fill(logits == float("-inf"), 0.0)).sum(-1)
+    torch.testing.assert_close(logps[0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropies[0], want_ent, atol=1e-5, rtol=1e-5)
+    assert trainer._lmloss_trl_patch["options"]["invariant"] is True
+    with torch.no_grad():  # the invariant head: the op's own bits on the model's hidden states
+        hidden = model.model(ids)[0][:, -6:-1]
+        op = lmloss.linear_token_logprobs(hidden, model.lm_head.weight, ids[:, -5:], temperature=0.7, top_k=30,
+                                          top_p=0.8, invariant=True)  # fmt: skip
+    assert torch.equal(logps, op)

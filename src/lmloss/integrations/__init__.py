@@ -6,6 +6,9 @@
   loss for the last pipeline stage, and ``PackedSeqParams`` from an `lmloss.packing.PackedBatch`.
 * `lmloss.integrations.trl`: `patch(trainer)` makes a ``trl.GRPOTrainer`` compute its per-token log-probs
   and entropies with the fused head (through `hf.token_logprobs`).
+* `lmloss.integrations.verl` (imported on its own, not by this package: importing it imports verl and is
+  what adopts lmloss in verl's workers, through ``external_lib``): lmloss as the ``fused_kernels_backend``
+  of verl's ``apply_monkey_patch``, and verl's policy losses with verl's signature.
 
 None of `transformers`, `trl` or `megatron-core` is imported until a function that needs it is called, so
 ``import lmloss.integrations.hf`` works without them. Only the public ops are used here.

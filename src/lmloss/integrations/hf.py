@@ -32,6 +32,7 @@ temperature, from `lmloss.linear_token_logprobs`, run inside the root forward.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -126,8 +127,11 @@ def _refuse(model: torch.nn.Module, reason: str) -> ValueError:
     return ValueError(f"lmloss.integrations.hf cannot reproduce {type(model).__name__}'s loss: {reason}")
 
 
-def head_transform(model: torch.nn.Module) -> HeadTransform:
+def head_transform(model: torch.nn.Module, *, for_loss: bool = True) -> HeadTransform:
     """The transform between `model`'s ``lm_head`` output and its logits, read from its config.
+
+    `for_loss`: the head computes the model's training loss (`patch`), so a config that adds a router
+    auxiliary loss to it is refused; False for scoring alone (log-probs and entropy, no loss to add it to).
 
     Raises:
         ValueError: naming the model class and the reason, when the model is not a decoder body plus a
@@ -151,7 +155,7 @@ def head_transform(model: torch.nn.Module) -> HeadTransform:
             f"it has no linear output head (get_output_embeddings() gave {type(head).__name__}); the fused "
             "head needs one [vocab, hidden] weight",
         )
-    if getattr(config, "output_router_logits", False):
+    if for_loss and getattr(config, "output_router_logits", False):
         raise _refuse(model, "it adds a router auxiliary loss (config.output_router_logits=True)")
     fields, softcap, before, after = [], None, 1.0, 1.0
     for field in _SOFTCAP_FIELDS:
@@ -290,12 +294,18 @@ def _original_forward(model: torch.nn.Module, state: _PatchState) -> Callable[..
     return state.instance_forward or type(model).forward.__get__(model, type(model))
 
 
+def _cache_name(fields: Any) -> str:
+    """The name transformers gives the KV cache among `fields` (argument or output field names): ``cache`` in
+    transformers 5.x, ``past_key_values`` before. Naming the other one makes 5.x warn that it is deprecated."""
+    return "cache" if "cache" in fields else "past_key_values"
+
+
 def _patched_forward(
     self,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values: Any = None,
+    cache: Any = None,
     inputs_embeds: torch.Tensor | None = None,
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
@@ -304,20 +314,23 @@ def _patched_forward(
 ):
     """A ``*ForCausalLM`` forward: in training mode with ``labels`` (or ``shift_labels``) the loss comes from
     lmloss's fused head and ``logits`` is None; without labels, or in eval mode (``Trainer.evaluate`` /
-    ``predict``, unless ``patch(..., logits_in_eval=False)``), the model's original forward runs."""
+    ``predict``, unless ``patch(..., logits_in_eval=False)``), the model's original forward runs.
+
+    `cache` is the fourth positional argument of transformers' forwards (``cache`` in 5.x,
+    ``past_key_values`` before): passed on under the model's own name, and only when given, so the patched
+    model warns about it exactly when the unpatched one does (a ``past_key_values=`` keyword goes through
+    `kwargs` unchanged)."""
     state: _PatchState = getattr(self, _STATE_ATTR)
+    if cache is not None:
+        kwargs[_cache_name(inspect.signature(_original_forward(self, state)).parameters)] = cache
+    call = dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+    )  # fmt: skip
     no_labels = labels is None and kwargs.get("shift_labels") is None
     if no_labels or (not self.training and state.logits_in_eval):
-        return _original_forward(self, state)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
-        )  # fmt: skip
-    return _fused_forward(
-        self, state, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-        logits_to_keep=logits_to_keep, **kwargs,
-    )  # fmt: skip
+        return _original_forward(self, state)(**call)
+    return _fused_forward(self, state, **call)
 
 
 def _fused_forward(
@@ -356,17 +369,18 @@ def _fused_forward(
         num_items_in_batch=loss_kwargs.get("num_items_in_batch"), ignore_index=ignore_index,
         transform=transform, options=state.options,
     )  # fmt: skip
+    cache = _cache_name({f.name for f in dataclasses.fields(CausalLMOutputWithPast)})
     out = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
+        **{cache: getattr(outputs, cache, None)},
     )
     if return_dict:
         return out
     # ModelOutput.to_tuple() drops None fields: without the logits everything after the loss would move one
-    # place up. Keep transformers' layout, (loss, logits, past_key_values, ...), with None for the logits.
+    # place up. Keep transformers' layout, (loss, logits, cache, ...), with None for the logits.
     return (loss, None, *out.to_tuple()[1:])
 
 
@@ -557,7 +571,7 @@ def _score(
     temperature: float,
     return_entropy: bool,
     ignore_index: int,
-    chunk_size: int | str | None,
+    op_options: dict[str, Any],
     model_kwargs: dict[str, Any],
 ):
     """The root module's forward during `token_logprobs`: body, then the fused head through ``lm_head``."""
@@ -568,16 +582,16 @@ def _score(
     return call_through(
         model.get_output_embeddings(), _fused_logprobs, hidden, targets[:, 1:],
         temperature=temperature * transform.temperature, return_entropy=return_entropy,
-        ignore_index=ignore_index, softcap=transform.softcap, chunk_size=chunk_size,
+        ignore_index=ignore_index, softcap=transform.softcap, op_options=op_options,
     )  # fmt: skip
 
 
-def _fused_logprobs(head, hidden, targets, *, temperature, return_entropy, ignore_index, softcap, chunk_size):
+def _fused_logprobs(head, hidden, targets, *, temperature, return_entropy, ignore_index, softcap, op_options):
     hidden, weight, bias, device_type = _head_inputs(hidden, head)
     with torch.autocast(device_type, enabled=False):
         return lmloss.linear_token_logprobs(
             hidden, weight, targets.to(hidden.device), bias=bias, temperature=temperature,
-            ignore_index=ignore_index, return_entropy=return_entropy, chunk_size=chunk_size, softcap=softcap,
+            ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap, **op_options,
         )  # fmt: skip
 
 
@@ -591,6 +605,10 @@ def token_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
     chunk_size: int | str | None = "auto",
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    invariant: bool = False,
     **model_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropy) of a causal LM's own tokens, without logits: RL scoring.
@@ -598,6 +616,12 @@ def token_logprobs(
     Runs the decoder body and `lmloss.linear_token_logprobs` inside ``model``'s forward call (so FSDP2
     gathers parameters as usual), patched or not. Differentiable: ``(-(logprobs * advantages)).sum()
     .backward()`` trains through it.
+
+    With the rollout's `top_k` / `top_p` / `min_p` the log-probs and entropy are those of the distribution
+    the engine sampled from (vLLM's order, docs/sampling.md); pass `labels` with the prompt at `ignore_index`
+    then: a prompt token outside the kept set would get -inf (and a `lmloss.sampling.KeptSetWarning`).
+    `invariant=True`: lmloss's batch-invariant head (docs/invariant.md; it covers the head, not the model
+    body that makes the hidden states).
 
     Args:
         model: a ``transformers`` ``*ForCausalLM`` (see `patch` for what is supported).
@@ -607,6 +631,8 @@ def token_logprobs(
         attention_mask: ``[B, S]`` passed to the model (padding).
         temperature: the model's logits (after its softcap and multipliers, if any) are divided by it.
         return_entropy: also return the entropy of each position's next-token distribution.
+        chunk_size, top_k, top_p, min_p, invariant: `lmloss.linear_token_logprobs`' arguments (the
+            sampling parameters: one value for the call).
         model_kwargs: more keyword arguments for the decoder body (e.g. ``position_ids``).
 
     Returns:
@@ -629,9 +655,10 @@ def token_logprobs(
         )
     if attention_mask is not None:
         model_kwargs["attention_mask"] = attention_mask
+    op_options = dict(chunk_size=chunk_size, top_k=top_k, top_p=top_p, min_p=min_p, invariant=invariant)
     out = call_through(
         model, _score, input_ids, labels, temperature=temperature, return_entropy=return_entropy,
-        ignore_index=ignore_index, chunk_size=chunk_size, model_kwargs=model_kwargs,
+        ignore_index=ignore_index, op_options=op_options, model_kwargs=model_kwargs,
     )  # fmt: skip
     # position 0 has no prediction: pad the [B, S - 1] outputs on the left
     outs = tuple(F.pad(o, (1, 0)) for o in (out if return_entropy else (out,)))

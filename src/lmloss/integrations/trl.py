@@ -17,6 +17,12 @@ Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise
 `patch` time. A model wrapped by another module at call time (multi-process DDP) raises a ``ValueError``:
 only unwrapped models (one process, or FSDP2, which does not wrap) are supported.
 
+``patch(trainer, sampler_truncation=True)`` scores every log-prob and entropy under the distribution the
+generation sampled from: the trainer's ``top_k`` / ``top_p`` / ``min_p`` (``args.generation_kwargs``
+overriding them, as TRL does), after its temperature; what vLLM returns as ``processed_logprobs``, which
+TRL's importance-sampling correction compares with. ``invariant=True`` uses lmloss's batch-invariant head
+(docs/invariant.md: the head's bits, not the model body's).
+
 ``trl`` is not imported by this module; it works on the trainer instance it is given (tested with
 ``trl==1.16.0``, the version the ``lmloss[trl]`` extra pins).
 """
@@ -30,7 +36,7 @@ import torch
 
 from lmloss.integrations import hf
 
-__all__ = ["is_patched", "patch", "unpatch"]
+__all__ = ["generation_truncation", "is_patched", "patch", "unpatch"]
 
 _METHOD = "_get_per_token_logps_and_entropies"
 _STATE_ATTR = "_lmloss_trl_patch"
@@ -49,8 +55,9 @@ def _fused_per_token_logps_and_entropies(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """TRL's method's contract, fused: ``(logps, entropies or None, None)``, each fp32 ``[B, logits_to_keep]``:
     the log-prob of each of the last `logits_to_keep` tokens (the completion) under the model's
-    next-token distribution at ``self.temperature``, and that distribution's entropy; 0.0 where
-    ``attention_mask`` is 0. `batch_size` rows are scored per forward (TRL's memory knob)."""
+    next-token distribution at ``self.temperature`` (within the generation's kept set with
+    ``patch(..., sampler_truncation=True)``), and that distribution's entropy; 0.0 where ``attention_mask``
+    is 0. `batch_size` rows are scored per forward (TRL's memory knob)."""
     state = getattr(self, _STATE_ATTR)
     if compute_aux_loss or any(v is not None for v in extra.values()):
         # multimodal inputs or a MoE aux loss: TRL's own method, as if unpatched
@@ -75,7 +82,7 @@ def _fused_per_token_logps_and_entropies(
         with self.accelerator.autocast():
             out = hf.token_logprobs(
                 model, ids, labels, attention_mask=mask, temperature=self.temperature,
-                return_entropy=compute_entropy, chunk_size=state["chunk_size"],
+                return_entropy=compute_entropy, **state["options"],
             )  # fmt: skip
         logps, entropy = out if compute_entropy else (out, None)
         all_logps.append(logps[:, -logits_to_keep:])
@@ -87,13 +94,40 @@ def _fused_per_token_logps_and_entropies(
     return torch.cat(all_logps), entropies, None
 
 
-def patch(trainer: Any, *, chunk_size: int | str | None = "auto") -> Any:
+def generation_truncation(trainer: Any) -> dict[str, float | int | None]:
+    """The ``top_k`` / ``top_p`` / ``min_p`` `trainer` generates with, in lmloss's terms (None: off).
+
+    TRL's ``GRPOConfig`` values (``top_k=0`` / None and ``top_p=1.0`` keep every token, ``min_p`` None or
+    0 none), overridden by ``args.generation_kwargs`` entries of the same names, as TRL passes them to
+    ``generate`` and to vLLM."""
+    values = {name: getattr(trainer, name, None) for name in ("top_k", "top_p", "min_p")}
+    overrides = getattr(getattr(trainer, "args", None), "generation_kwargs", None) or {}
+    values.update({k: v for k, v in overrides.items() if k in values})
+    top_k, top_p, min_p = values["top_k"], values["top_p"], values["min_p"]
+    return dict(
+        top_k=None if top_k is None or top_k <= 0 else int(top_k),
+        top_p=None if top_p is None or top_p >= 1.0 else float(top_p),
+        min_p=None if not min_p else float(min_p),
+    )
+
+
+def patch(
+    trainer: Any,
+    *,
+    chunk_size: int | str | None = "auto",
+    sampler_truncation: bool = False,
+    invariant: bool = False,
+) -> Any:
     """Make `trainer` (a ``trl.GRPOTrainer``) compute its per-token log-probs and entropies with lmloss's fused
     head. Returns the trainer.
 
     Args:
         trainer: a built ``trl.GRPOTrainer`` (or subclass) whose model is a ``transformers`` ``*ForCausalLM``.
         chunk_size: tokens per chunk of the fused op (`lmloss.linear_token_logprobs`'s argument).
+        sampler_truncation: score under the generation's ``top_k`` / ``top_p`` / ``min_p``
+            (`generation_truncation`), the distribution the completions were sampled from; False (TRL's
+            own choice): the full softmax at the temperature.
+        invariant: lmloss's batch-invariant head (docs/invariant.md).
 
     Raises:
         TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
@@ -111,7 +145,10 @@ def patch(trainer: Any, *, chunk_size: int | str | None = "auto") -> Any:
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             hf.head_transform(trainer.accelerator.unwrap_model(model))
-    setattr(trainer, _STATE_ATTR, {"original": original, "chunk_size": chunk_size})
+    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant))
+    if sampler_truncation:
+        options.update(generation_truncation(trainer))
+    setattr(trainer, _STATE_ATTR, {"original": original, "options": options})
     setattr(trainer, _METHOD, types.MethodType(_fused_per_token_logps_and_entropies, trainer))
     return trainer
 
