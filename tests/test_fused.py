@@ -611,7 +611,7 @@ def test_bad_loss_options_raise(kw, exc):
 # the number of chunks)
 
 
-def _bf16_weight_grad_errors(chunk_sizes, weight_grad_dtype):
+def _bf16_weight_grad_errors(chunk_sizes, weight_grad_dtype, memory_budget_mib=None):
     """Relative-norm error of d weight (bf16 inputs) against float64, and of rounding float64's once."""
     g = _gen(7)
     n, h, v = 512, 32, 1024
@@ -629,7 +629,8 @@ def _bf16_weight_grad_errors(chunk_sizes, weight_grad_dtype):
     for chunk in chunk_sizes:
         w = weight.clone().requires_grad_()
         lmloss.linear_cross_entropy(
-            hidden, w, labels, reduction="sum", chunk_size=chunk, weight_grad_dtype=weight_grad_dtype
+            hidden, w, labels, reduction="sum", chunk_size=chunk, weight_grad_dtype=weight_grad_dtype,
+            memory_budget_mib=memory_budget_mib,
         ).backward()
         errors.append(rel(w.grad))
     return errors, rel(exact.bfloat16())
@@ -638,6 +639,14 @@ def _bf16_weight_grad_errors(chunk_sizes, weight_grad_dtype):
 def test_fp32_weight_grad_accumulator_adds_no_error_beyond_one_bf16_rounding():
     errors, once = _bf16_weight_grad_errors([512, 64, 8], torch.float32)
     for err in errors:  # 1, 8 and 64 chunks
+        assert err <= 1.05 * once, (errors, once)
+
+
+def test_the_weight_pass_within_a_budget_below_the_accumulator_adds_no_error_beyond_one_bf16_rounding():
+    """The budget (0.05 MiB) is below the fp32 accumulator (128 KiB): each block of the weight gradient is
+    summed over every token in fp32 (in one GEMM, or in a block accumulator over chunks) and rounded once."""
+    errors, once = _bf16_weight_grad_errors(["auto", 64, 8], torch.float32, memory_budget_mib=0.05)
+    for err in errors:
         assert err <= 1.05 * once, (errors, once)
 
 

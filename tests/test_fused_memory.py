@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
-from lmloss.chunks import auto_chunk_size
+from lmloss import rl
+from lmloss.chunks import INVARIANT_GEMM_TILE, auto_chunk_size, fused_schedule
 from lmloss.profiling import peak_memory
 
 MiB = 1024**2
@@ -203,3 +204,172 @@ def test_no_grad_allocates_no_gradient_buffers(reduction):
         lmloss.linear_cross_entropy(hidden, weight, labels, chunk_size=C, reduction=reduction)
     assert mem.peak_bytes <= CHUNK + GATHERED + PER_TOKEN_SLACK * N, f"{mem.peak_bytes / MiB:.2f} MiB"
     assert hidden.grad is None and weight.grad is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the memory budget caps everything an op allocates, the weight-gradient accumulator included
+
+NB, HB, VB = 512, 64, 4000  # bf16: the fp32 weight-gradient accumulator alone is 0.98 MiB
+BUDGET_MIB = 0.25  # a quarter of it: the op must run a schedule that needs none
+#: O(N) vectors beyond the chunk-sized ones: an RL objective's per-token inputs, masked, and its terms
+RL_PER_TOKEN = 160
+
+
+def _budget_inputs(seed=11):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(NB, HB, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(VB, HB, generator=g) * HB**-0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, VB, (NB,), generator=g)
+    labels.view(4, -1)[:, :32] = -100  # a prompt per sequence
+    labels[::9] = -100
+    teacher = (torch.randn(NB, 48, generator=g).bfloat16(), (torch.randn(VB, 48, generator=g) * 0.2).bfloat16())
+    return hidden, weight, labels, teacher, g
+
+
+def _budget_op(op):
+    hidden, weight, labels, (t_hidden, t_weight), g = _budget_inputs()
+    old = -torch.rand(NB, generator=g) - 2.0
+    adv = torch.randn(NB, generator=g)
+    per_token = torch.randn(NB, generator=g).bfloat16()
+    sparse = _sparse_teacher(t_hidden, t_weight)
+    ops = {
+        "ce_mean": lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels, memory_budget_mib=b, z_loss=1e-3),
+        "ce_none": lambda x, w, b: (lmloss.linear_cross_entropy(x, w, labels, reduction="none", memory_budget_mib=b)
+                                    * per_token).sum(),
+        "logprobs_entropy": lambda x, w, b: sum(
+            (o * per_token).sum() for o in lmloss.linear_token_logprobs(x, w, labels, return_entropy=True,
+                                                                        memory_budget_mib=b)
+        ),
+        "policy_vanilla": lambda x, w, b: rl.linear_policy_loss(x, w, labels, old, adv, entropy_coeff=0.01,
+                                                                memory_budget_mib=b)[0],
+        "policy_full_kl": lambda x, w, b: rl.linear_policy_loss(
+            x, w, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1, ref_hidden=t_hidden,
+            ref_weight=t_weight, memory_budget_mib=b,
+        )[0],
+        "policy_gspo": lambda x, w, b: rl.linear_policy_loss(
+            x, w, labels, old, adv, loss_mode="gspo", cu_seqlens=torch.tensor([0, 128, 256, 384, 512]),
+            loss_agg_mode="seq-mean-token-mean", memory_budget_mib=b,
+        )[0],
+        "distillation_jsd": lambda x, w, b: lmloss.linear_distillation_loss(x, w, t_hidden, t_weight, labels, beta=0.5,
+                                                                            memory_budget_mib=b),
+        "distillation_sparse": lambda x, w, b: lmloss.linear_distillation_loss(
+            x, w, None, None, labels, teacher_topk=sparse, memory_budget_mib=b
+        ),
+    }  # fmt: skip
+    return hidden, weight, ops[op]
+
+
+def _sparse_teacher(t_hidden, t_weight):
+    logp = (t_hidden.float() @ t_weight.float().T).log_softmax(-1)
+    top = logp.topk(8, dim=-1)
+    return top.indices, top.values
+
+
+BUDGET_OPS = ["ce_mean", "ce_none", "logprobs_entropy", "policy_vanilla", "policy_full_kl", "policy_gspo",
+              "distillation_jsd", "distillation_sparse"]  # fmt: skip
+
+
+@pytest.mark.parametrize("op", BUDGET_OPS)
+def test_every_fused_op_stays_within_a_budget_below_its_weight_gradient_accumulator(op):
+    """`memory_budget_mib` caps what the op allocates beyond its inputs, their gradients and O(N) vectors,
+    though the fp32 ``[V, H]`` accumulator alone would not fit: the weight pass writes the gradient block by
+    block. The default budget (64 MiB here) keeps the accumulator (the check has teeth), and both give the
+    same gradients."""
+    hidden, weight, fn = _budget_op(op)
+    accumulator = VB * HB * 4
+    assert accumulator > 3 * BUDGET_MIB * MiB
+    budget = BUDGET_MIB
+    lean, _ = _peak_above_grads(lambda x, w, b: fn(x, w, budget), hidden, weight)
+    lean_grads = (hidden.grad.clone(), weight.grad.clone())
+    slack = (RL_PER_TOKEN if op.startswith("policy") else PER_TOKEN_SLACK) * NB
+    assert lean <= budget * MiB + slack, f"{lean / MiB:.3f} MiB above grads, budget {budget:.3f} MiB"
+    roomy, _ = _peak_above_grads(lambda x, w, b: fn(x, w, None), hidden, weight)
+    assert roomy >= accumulator, f"{roomy / MiB:.3f} MiB"  # the default schedule keeps the accumulator
+    for lean_grad, grad in zip(lean_grads, (hidden.grad, weight.grad)):
+        torch.testing.assert_close(lean_grad.float(), grad.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_invariant_mode_stays_within_a_budget_below_its_accumulator_above_its_one_tile_floor():
+    """Invariant mode's logits come from GEMMs of one fixed shape (`lmloss.chunks.tiled_linear`): a chunk is
+    at least one tile of rows (128 on this CPU), whose logits are the floor of its working set. Above that
+    floor the budget holds as for every op, the weight gradient made by the weight pass."""
+    n, h, v = 256, 512, 8192
+    rows, cols = INVARIANT_GEMM_TILE["cpu"]
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = -100
+    up = torch.randn(n, generator=g)
+    accumulator = v * h * 4  # 16 MiB
+    floor = rows * v * (4 + 4 + 2) + rows * cols * 2  # one tile of rows: fp32 logits and exps, bf16 GEMM output
+    budget = 12.0
+    assert floor < budget * MiB < accumulator
+
+    def fn(x, w, b, budget_mib):
+        return (lmloss.linear_token_logprobs(x, w, labels, invariant=True, memory_budget_mib=budget_mib) * up).sum()
+
+    lean, _ = _peak_above_grads(lambda x, w, b: fn(x, w, b, budget), hidden, weight)
+    assert lean <= budget * MiB + PER_TOKEN_SLACK * n, f"{lean / MiB:.2f} MiB above grads"
+    lean_grad = weight.grad.clone()
+    roomy, _ = _peak_above_grads(lambda x, w, b: fn(x, w, b, None), hidden, weight)
+    assert roomy >= accumulator
+    torch.testing.assert_close(lean_grad.float(), weight.grad.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_the_schedule_keeps_the_accumulator_only_where_it_fits_beside_big_enough_chunks():
+    """`fused_schedule` from costs in bytes (a 32000 x 256 head; 10 bytes per logit of a chunk)."""
+    kw = dict(local_vocab=32000, hidden_width=256, device="cpu", bytes_per_logit=10, gather_bytes_per_row=0,
+              fixed_bytes=0, chunk_size="auto")  # fmt: skip
+    acc = 32000 * 256 * 4  # 31.25 MiB
+    roomy = fused_schedule(n_rows=8192, budget_mib=64, accumulator_bytes=acc, **kw)
+    assert roomy.weight_block == 0 and roomy.chunk_rows == 64  # (64 - 31.25) MiB / 320 KB, in 64s
+    lean = fused_schedule(n_rows=8192, budget_mib=16, accumulator_bytes=acc, **kw)
+    assert lean.weight_block > 0 and lean.chunk_rows * 32000 * 10 <= 16 * MiB
+    block_tile = lean.weight_block_rows * lean.weight_block * 10 + lean.weight_block * 256 * 4
+    assert lean.weight_block % 128 == 0 and block_tile <= 16 * MiB
+    # no accumulator needed (an fp32 weight, or none wanted): the whole budget for the chunks
+    assert fused_schedule(n_rows=8192, budget_mib=16, accumulator_bytes=0, **kw).weight_block == 0
+    # every token in one chunk: its weight gradient is one GEMM, no accumulator at all
+    few = fused_schedule(n_rows=100, budget_mib=64, accumulator_bytes=acc, **kw)
+    assert few.weight_block == 0 and few.chunk_rows == 100
+    # an explicit chunk keeps its size; the budget still decides the weight gradient's schedule
+    fixed = fused_schedule(n_rows=8192, budget_mib=16, accumulator_bytes=acc, **{**kw, "chunk_size": 128})
+    assert fixed.chunk_rows == 128 and fixed.weight_block > 0
+
+
+def _every_op(budget):
+    g = torch.Generator().manual_seed(13)
+    x, h, w = torch.randn(6, 10, generator=g), torch.randn(6, 4, generator=g), torch.randn(10, 4, generator=g)
+    y = torch.tensor([1, 2, -100, 3, 4, 5])
+    zeros = torch.zeros(6)
+    return {
+        "token_logprobs": lambda: lmloss.token_logprobs(x, y, memory_budget_mib=budget),
+        "token_entropy": lambda: lmloss.token_entropy(x, memory_budget_mib=budget),
+        "cross_entropy": lambda: lmloss.cross_entropy(x, y, memory_budget_mib=budget),
+        "linear_token_logprobs": lambda: lmloss.linear_token_logprobs(h, w, y, memory_budget_mib=budget),
+        "linear_cross_entropy": lambda: lmloss.linear_cross_entropy(h, w, y, memory_budget_mib=budget),
+        "linear_policy_loss": lambda: rl.linear_policy_loss(h, w, y, zeros, zeros, memory_budget_mib=budget),
+        "distillation_loss": lambda: lmloss.distillation_loss(x, x.flip(-1), y, memory_budget_mib=budget),
+        "linear_distillation_loss": lambda: lmloss.linear_distillation_loss(h, w, h, w, y, memory_budget_mib=budget),
+    }
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("inf"), float("nan"), "64", True])
+def test_a_memory_budget_that_is_not_a_positive_number_of_mib_is_refused_naming_it(budget):
+    for name, call in _every_op(budget).items():
+        with pytest.raises(ValueError, match="memory_budget_mib must be None or a positive number"):
+            call()
+        assert name  # every op refuses it
+
+
+def test_memory_budget_mib_wins_over_the_environment(monkeypatch):
+    hidden, weight, labels, _, _ = _budget_inputs()
+    monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "64")
+    lean, _ = _peak_above_grads(
+        lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels, memory_budget_mib=BUDGET_MIB), hidden, weight
+    )
+    assert lean <= BUDGET_MIB * MiB + PER_TOKEN_SLACK * NB
+    monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", str(BUDGET_MIB))
+    from_env, _ = _peak_above_grads(lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels), hidden, weight)
+    assert from_env <= BUDGET_MIB * MiB + PER_TOKEN_SLACK * NB

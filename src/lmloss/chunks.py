@@ -182,6 +182,13 @@ def invariant_gemm_tile(device: torch.device | str) -> tuple[int, int]:
     return INVARIANT_GEMM_TILE.get(torch.device(device).type, INVARIANT_GEMM_TILE["cpu"])
 
 
+def invariant_tile_bytes(device: torch.device | str, hidden_width: int, itemsize: int) -> int:
+    """What `tiled_linear` may hold beside a chunk: one output tile and zero-padded copies of a tile's hidden
+    rows and weight rows (the floor of invariant mode's working set, whatever the budget)."""
+    rows, cols = invariant_gemm_tile(device)
+    return (rows * cols + (rows + cols) * (hidden_width + 1)) * itemsize
+
+
 def _tile_starts(n: int, size: int) -> list[int]:
     """Starts of `size`-wide tiles covering ``[0, n)`` (``n >= size``), the last one ending at n (overlapping
     the one before it when size does not divide n)."""
@@ -614,8 +621,10 @@ class LinearHead:
         return source, sink
 
     def weight_pass(self, rows: int, block: int) -> tuple[HiddenRows, WeightBlocks]:
-        """The source and sink of the weight pass (`WeightBlocks`): chunks of `rows` by `block` columns."""
-        source = self.source(rows, block)
+        """The source and sink of the weight pass (`WeightBlocks`): chunks of `rows` by `block` columns. Its
+        logits are plain GEMMs even in invariant mode: they make a gradient, never an output."""
+        source = HiddenRows(self.hidden, self.weight, self.bias, ChunkScratch(rows, block, self.device),
+                            self.opts["chunk_dtype"])  # fmt: skip
         sink = WeightBlocks(self.hidden, self.weight, block=block, weight_grad_dtype=self.opts["weight_grad_dtype"],
                             hidden_rows=source.hidden_rows)  # fmt: skip
         return source, sink

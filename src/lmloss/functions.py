@@ -112,6 +112,7 @@ class PerTokenLoss(torch.autograd.Function):
         if sink is not None:
             backward_pass(op.plan, head.n, op.objective, source, sink, saved, coef, extra, device=head.device)
             grads = list(head.gradients(sink, tp_group=op.plan.tp_group))
+        del source, sink  # the token pass's scratch, before the weight pass makes its own
         if op.weight_pass_needed and needs[1]:
             grads[1] = op.weight_gradient(head, saved, coef, extra)
         return (None, *grads)

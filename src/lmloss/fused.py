@@ -43,6 +43,7 @@ from lmloss.chunks import (
     fused_schedule,
     gemm_accumulates_into_fp32,
     invariant_gemm_tile,
+    invariant_tile_bytes,
     linear_head_options,
 )
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
@@ -148,6 +149,7 @@ def prepare(
         _schedule, hidden=hidden, weight=weight, n_tokens=n_tokens, grad=grad, budget=budget, chunk_buffers=chunk_buffers,
         bytes_per_logit=bytes_per_logit or TORCH_BYTES_PER_LOGIT, weight_grad_dtype=weight_grad_dtype,
         tp=world_size(tp_group), sequence_parallel=sequence_parallel, weight_pass=options.get("support") is None,
+        invariant=invariant,
     )  # fmt: skip
     agree = {
         "op": 1, **(agree or {}), "hidden_width": weight.shape[1], "sequence_parallel": int(sequence_parallel),
@@ -176,7 +178,7 @@ def prepare(
 
 def _schedule(
     n_rows, local_vocab, impl, chunk_size, gathered, *, hidden, weight, n_tokens, grad, budget, chunk_buffers,
-    bytes_per_logit, weight_grad_dtype, tp, sequence_parallel, weight_pass,
+    bytes_per_logit, weight_grad_dtype, tp, sequence_parallel, weight_pass, invariant,
 ) -> FusedSchedule:  # fmt: skip
     """`fused_schedule` from a fused op's arguments: what each buffer costs (agreed values only)."""
     h_width, item = weight.shape[1], weight.element_size()
@@ -193,6 +195,8 @@ def _schedule(
         fixed += n_tokens * h_width * 4  # the hidden gradient's fp32 sum over TP ranks (or the slots')
     if sequence_parallel:  # every rank's tokens, gathered
         fixed += n_tokens * h_width * item
+    if invariant:  # the fixed-shape GEMM's tile
+        fixed += invariant_tile_bytes(weight.device, h_width, item)
     # fp32 d-logits of a low-precision weight (CPU) are written into its gradient in fp32 tiles
     tile = WEIGHT_TILE_ROWS * h_width * 4 if fp32_acc and not gemm_accumulates_into_fp32(weight.device, weight.dtype) else 0
     schedule = fused_schedule(

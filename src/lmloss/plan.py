@@ -331,13 +331,16 @@ def backward_pass(
     the tiles are blocks of `weight_block` local columns, each over the rows in chunks of
     `weight_block_rows`; the sink is told where each block starts and ends (``start_block`` /
     ``finish_block``), and the objective gets each block's math (a sub-shard, `LossPlan.block_math`)."""
-    state = objective.start(n, device)
     gather = getattr(source, "gathers_rows", False)
     if not columns:
+        state = objective.start(n, device)
         kernels = plan.kernels(n, device)
         for rows in plan.chunks(n, gather=gather):
             objective.backward_chunk(state, rows, source(rows), kernels, grad_sink, saved, coef, extra, math=plan.math)
+        if hasattr(grad_sink, "pass_done"):
+            grad_sink.pass_done()
         return
+    state = objective.start(n, device, tile=(max(1, plan.weight_block_rows), plan.weight_block))
     chunks = plan.chunks(n, gather=gather, chunk_rows=plan.weight_block_rows)
     kernels = make_kernels(plan.impl, max(1, plan.weight_block_rows), plan.weight_block, device)
     for cols in plan.column_blocks():
