@@ -624,3 +624,19 @@ def test_invariant_adds_a_checked_invariant_row_beside_each_row_of_an_op_that_ta
             base = next(b for b in rows if b.label == r.label.replace("+inv", "") and b.workload == r.workload)
             assert f"invariant: {r.time_ms / base.time_ms:.2f}x {base.label}'s time" in r.note
     assert "chunked+inv[64]" in format_table(rows)  # (without the flag there are none: the tests above)
+
+
+def test_budget_adds_a_row_per_budget_whose_note_gives_what_it_held_against_the_budget():
+    config = _config(
+        workloads=["fused"], impls={"fused": ["naive", "fused"]}, tokens={"fused": [256]}, vocab=[2000],
+        hidden=[32], dtypes={"fused": ["bfloat16"]}, chunks={"fused": ["auto"]}, budgets=[None, 0.1],
+    )  # fmt: skip
+    rows = run_sweep(config, show_progress=False)
+    assert [r.label for r in rows] == ["naive", "fused[auto]", "fused[auto]@0.1MiB"]
+    lean = rows[-1]
+    assert lean.status == "ok" and lean.check == "ok" and lean.budget_mib == 0.1
+    held = float(re.search(r"([\d.]+) MiB beyond inputs and gradients, budget 0.1 MiB", lean.note).group(1))
+    grads = (256 * 32 + 2000 * 32) * 2 / 2**20
+    assert held == pytest.approx(lean.delta_mib - grads, abs=0.05) and held <= 0.1 + 0.05
+    assert rows[1].delta_mib - grads > 2000 * 32 * 4 / 2**20  # the default budget keeps the fp32 accumulator
+    assert "fused[auto]@0.1MiB" in format_table(rows)

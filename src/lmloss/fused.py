@@ -242,16 +242,25 @@ def linear_token_logprobs(
         hidden: ``[..., H]`` fp32 / bf16 / fp16. With ``sequence_parallel=True``, this rank's block of
             tokens along dim 0; the op gathers the blocks over `tp_group` in rank order.
         weight: ``[V_local, H]``, same dtype: the LM head, a tied embedding, or this rank's vocab shard.
-        labels: ``[...]`` global vocabulary ids, the (gathered) leading shape of `hidden`.
+        labels: ``[...]`` global vocabulary ids, the (gathered) leading shape of `hidden`; `ignore_index` where
+            a token does not count: its hidden row is never multiplied, its outputs are 0.0 and its
+            gradient row 0.
         bias: optional ``[V_local]``.
-        chunk_size: tokens per chunk; ``"auto"`` sizes it from a memory budget (`auto_chunk_size`),
-            agreed across `tp_group`; None for one chunk.
+        chunk_size: tokens per chunk; ``"auto"`` sizes it from the memory budget, agreed across
+            `tp_group`; None for one chunk.
+        memory_budget_mib: what the op may hold beyond its inputs, their gradients and O(tokens) vectors
+            (MiB), the weight-gradient accumulator included; None: ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB
+            on CPU and 4 GiB on CUDA (`lmloss.chunks.chunk_budget_mib`). Where an fp32 ``[V_local, H]``
+            accumulator does not fit beside chunks of a useful size, the weight gradient is made by a
+            weight pass over blocks of columns (one more matmul; `lmloss.chunks.fused_schedule`).
+            Agreed across `tp_group`.
         sequence_parallel: `hidden` is sharded along tokens over `tp_group`; its gradient is
             reduce-scattered back. Without it every TP rank holds the same `hidden` and receives the
             full (all-reduced) gradient.
         weight_grad_dtype: dtype of the weight-gradient accumulator, ``torch.float32`` (default) or the
             weight's own dtype (saves ``4 - 2`` bytes per weight element for bf16, at the precision cost
-            stated in the README).
+            stated in the README). Within a budget that the fp32 accumulator does not fit, the fp32 sums
+            are made per block of the weight pass instead: the same precision, no accumulator.
         top_k, top_p, min_p, return_log_kept_mass: the rollout engine's truncation, recomputed per chunk
             (as in `lmloss.token_logprobs`).
         support: the engine's kept ids ``[..., K]`` (-1 padded): each chunk multiplies its hidden rows by

@@ -117,11 +117,15 @@ def token_logprobs(
     Args:
         logits: ``[..., V_local]`` fp32 / bf16 / fp16 (fp64 is computed in fp64); this rank's vocabulary
             shard under TP.
-        labels: ``[...]`` integer global vocabulary ids, or `ignore_index`.
+        labels: ``[...]`` integer global vocabulary ids, or `ignore_index`: a token that does not count. It
+            takes no softmax pass (a run of at least `lmloss.rows.MIN_GAP` such tokens is skipped, a shorter
+            one computed with its neighbours and masked), every output there is 0.0 and its gradient row 0.
         chunk_size: tokens per chunk (over the flattened leading dims); ``"auto"``: for the PyTorch
-            implementation as many as fit its two fp32 chunk buffers in the memory budget
-            (`lmloss.chunks.auto_chunk_size`: 64 MiB on CPU, 2 GiB on CUDA), one chunk for Triton (it
-            holds nothing chunk-sized); None for one chunk.
+            implementation as many as fit its two fp32 chunk buffers in the memory budget, one chunk for
+            Triton (it holds nothing chunk-sized); None for one chunk.
+        memory_budget_mib: what the op may hold beyond its inputs and their gradients (MiB); None:
+            ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB on CPU and 4 GiB on CUDA
+            (`lmloss.chunks.chunk_budget_mib`). Agreed across `tp_group`.
         temperature: the (capped) logits are divided by it before the softmax.
         softcap: Gemma's ``final_logit_softcapping``: logits become ``softcap * tanh(logits / softcap)``
             first. None for no capping.
@@ -134,7 +138,8 @@ def token_logprobs(
         vocab_start: global id of this rank's first column; default ``rank * V_local`` (even shards). Pass it
             on every TP rank (uneven shards) or on none.
         return_entropy: also return the entropy of the tempered softmax over the whole vocabulary,
-            differentiable, at every position (ignore_index does not mask it).
+            differentiable; 0.0 where the label is `ignore_index` (as TRL's; `token_entropy` gives it at
+            every position).
         impl: ``"auto"`` (Triton on CUDA when triton imports, else PyTorch), ``"torch"`` or ``"triton"``.
         top_k, top_p, min_p: the rollout engine's truncation, a number or one value per token (a tensor
             shaped like `labels`): the log-probs, entropy and gradients are those of the distribution
@@ -144,7 +149,8 @@ def token_logprobs(
         support: instead of recomputing, the kept ids the engine returned, ``[..., K]`` (-1 padded;
             `lmloss.sampling.support_from_offsets` converts vLLM's ids + offsets): renormalise over them.
         return_log_kept_mass: also return ``log`` of the kept set's probability under the full tempered
-            softmax (not differentiable; with top_k / top_p / min_p, or with support).
+            softmax (not differentiable; with top_k / top_p / min_p, or with support); 0.0 where the label
+            is `ignore_index`.
         invariant: each token's outputs are a function of its own logits row and the options alone, the
             same bits whatever the chunk size, the other rows of the call and the TP degree (every shard
             starting at a multiple of `lmloss.kernels.INVARIANT_BLOCK` columns): the vocabulary is summed

@@ -71,6 +71,20 @@ def _chunk_list(text: str) -> list[int | str | None]:
         raise argparse.ArgumentTypeError(f"--chunk takes integers, 'none' or 'auto': {err}") from err
 
 
+def _budget_list(text: str) -> list[float | None]:
+    values: list[float | None] = []
+    for v in (v.strip() for v in text.split(",") if v.strip()):
+        try:
+            values.append(None if v == "default" else float(v))
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"--budget takes MiB or 'default', got {v!r}") from err
+        if values[-1] is not None and not 0 < values[-1] < float("inf"):
+            raise argparse.ArgumentTypeError(f"--budget takes positive MiB, got {v!r}")
+    if not values:
+        raise argparse.ArgumentTypeError("--budget takes MiB or 'default'")
+    return values
+
+
 ALL_IMPLS = sorted({name for names in IMPLS_BY_WORKLOAD.values() for name in names})
 
 
@@ -139,6 +153,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="treat a configuration whose peak (inputs included) passes this as out of memory; "
         "on CPU the run stops at the allocation that passes it",
     )
+    p.add_argument(
+        "--budget",
+        type=_budget_list,
+        default=[None],
+        help="memory budgets (MiB) for lmloss's rows, comma-separated, 'default' for the op's own "
+        "(LMLOSS_CHUNK_BUDGET_MIB or the device's); each budget is a row of its own (named ...@<MiB>MiB) whose "
+        "note gives what it held beyond its inputs and their gradients, against the budget (default: default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument(
         "--invariant",
@@ -185,6 +207,7 @@ def config_from_args(args: argparse.Namespace):
         max_memory_mib=args.max_memory_mib,
         seed=args.seed,
         invariant=args.invariant,
+        budgets=list(args.budget),
     )
 
 

@@ -177,10 +177,11 @@ class Impl:
     traffic: int | None = None
     prepare: Callable[[Inputs], Inputs] | None = None
     grads_of: Callable[[Inputs], dict[str, torch.Tensor]] | None = None
+    budget_mib: float | None = None
 
     @property
     def label(self) -> str:
-        return row_label(self.name, self.chunk, self.kernel)
+        return row_label(self.name, self.chunk, self.kernel, self.budget_mib)
 
     def inputs_for_run(self, inputs: Inputs) -> Inputs:
         if self.prepare is not None:
@@ -193,10 +194,12 @@ class Impl:
         return {k: v.grad for k, v in x.leaves.items() if v.grad is not None}
 
 
-def row_label(name: str, chunk: str, kernel: str) -> str:
-    """``name[chunk]``, with ``/triton`` for lmloss's Triton rows (its PyTorch rows keep the plain label)."""
+def row_label(name: str, chunk: str, kernel: str, budget_mib: float | None = None) -> str:
+    """``name[chunk]``, with ``/triton`` for lmloss's Triton rows (its PyTorch rows keep the plain label) and
+    ``@<budget>MiB`` for a row run with ``memory_budget_mib=``."""
     label = name if chunk == "-" else f"{name}[{chunk}]"
-    return label + "/triton" if kernel == "triton" else label
+    label = label + "/triton" if kernel == "triton" else label
+    return label if budget_mib is None else f"{label}@{budget_mib:g}MiB"
 
 
 def parse_chunk(text: str) -> int | str | None:
@@ -763,8 +766,10 @@ def build_impls(
     chunks: list[int | str | None],
     kernels: list[str] = ("torch",),  # type: ignore[assignment]
     invariant: bool = False,
+    budgets: list[float | None] = (None,),  # type: ignore[assignment]
 ) -> list[Impl]:
-    """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels`.
+    """The impls of `workload` named in `names`, lmloss's own expanded over `chunks` x `kernels` x `budgets`
+    (``memory_budget_mib=`` of the op; None: its default).
 
     A naive row comes before the rows checked against it. ``"auto"`` is passed on as ``chunk_size="auto"``
     (every op's default: its own choice of chunk size). `invariant`: after each row of an op in
@@ -779,12 +784,14 @@ def build_impls(
         for kernel in kernels:
             reason = _triton_device_reason(kernel, device)
             for c in chunks:
-                for suffix, extra in variants:
-                    kw = {"impl": kernel, **(extra_kwargs or {}), **extra}
-                    step = None if reason else make(c, kw)
-                    out.append(
-                        Impl(name + suffix, chunk_label(c), step, reason, kernel=kernel, objective=objective, **impl_kw)
-                    )
+                for budget in budgets:
+                    for suffix, extra in variants:
+                        kw = {"impl": kernel, **(extra_kwargs or {}), **extra}
+                        if budget is not None:
+                            kw["memory_budget_mib"] = budget
+                        step = None if reason else make(c, kw)
+                        out.append(Impl(name + suffix, chunk_label(c), step, reason, kernel=kernel, objective=objective,
+                                        budget_mib=budget, **impl_kw))  # fmt: skip
 
     for name in IMPLS_BY_WORKLOAD[workload]:
         if name not in names:

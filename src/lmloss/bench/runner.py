@@ -77,6 +77,7 @@ class SweepConfig:
     max_memory_mib: float | None = None
     seed: int = 0
     invariant: bool = False
+    budgets: list[float | None] = dataclasses.field(default_factory=lambda: [None])
 
     def cases(self) -> list[Case]:
         out = []
@@ -137,10 +138,11 @@ class Result:
     grad_err: float | None = None
     tolerance: float | None = None
     note: str = ""
+    budget_mib: float | None = None
 
     @property
     def label(self) -> str:
-        return row_label(self.impl, self.chunk, self.kernel)
+        return row_label(self.impl, self.chunk, self.kernel, self.budget_mib)
 
 
 class SimulatedOOM(MemoryError):
@@ -385,7 +387,7 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
     for impl in impls:
         row = Result(
             case.workload, case.tokens, case.vocab, case.hidden, case.dtype, case.device, impl.name, impl.chunk,
-            kernel=impl.kernel, objective=impl.objective, input_mib=inputs.nbytes / MiB,
+            kernel=impl.kernel, objective=impl.objective, input_mib=inputs.nbytes / MiB, budget_mib=impl.budget_mib,
         )  # fmt: skip
         if impl.traffic is not None and inputs.logits is not None:
             row.bytes_moved = impl.traffic * inputs.logits.nbytes
@@ -401,6 +403,9 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
                 delta, outcome = _tracked_run(impl, inputs, case, config.max_memory_mib)
                 row.delta_mib = delta / MiB
                 row.peak_mib = row.input_mib + row.delta_mib
+                if impl.budget_mib is not None:  # what the op held beyond its inputs and their gradients
+                    held = row.delta_mib - _grads_mib(inputs)
+                    _append_note(row, f"{held:.1f} MiB beyond inputs and gradients, budget {impl.budget_mib:g} MiB")
                 if impl.is_reference:
                     refs[impl.objective] = outcome
                 _check(row, outcome, refs.get(impl.objective), tol)
@@ -441,6 +446,11 @@ def run_case(case: Case, impls: list[Impl], config: SweepConfig, progress=None) 
     del inputs
     _add_ratios(rows)
     return rows
+
+
+def _grads_mib(inputs: Inputs) -> float:
+    """The gradients' MiB: one of each leaf's size (they are born inside the tracked run)."""
+    return sum(t.numel() * t.element_size() for t in inputs.leaves.values()) / MiB
 
 
 def _add_ratios(rows: list[Result]) -> None:
@@ -500,7 +510,7 @@ def run_sweep(config: SweepConfig, *, show_progress: bool = True) -> list[Result
     for case in config.cases():
         impls = build_impls(
             case.workload, case.device, config.impls[case.workload], config.chunks[case.workload],
-            config.kernels, config.invariant,
+            config.kernels, config.invariant, config.budgets,
         )  # fmt: skip
         plan.append((case, impls))
     runs = 1 + config.warmup + config.repeats  # per row: its tracked run, then one in each round

@@ -87,7 +87,8 @@ def _fused_per_token_logps_and_entropies(
         logps, entropy = out if compute_entropy else (out, None)
         all_logps.append(logps[:, -logits_to_keep:])
         if compute_entropy:
-            # token_logprobs gives the entropy at every position; TRL's is 0.0 where the label is not scored
+            # TRL's entropy is 0.0 where the label is not scored, as token_logprobs' (which does not compute
+            # it there); the prompt positions before the completion are cut here
             scored = labels[:, -logits_to_keep:] != -100
             all_entropies.append(entropy[:, -logits_to_keep:].masked_fill(~scored, 0.0))
     entropies = torch.cat(all_entropies) if compute_entropy else None
