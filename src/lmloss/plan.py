@@ -19,18 +19,11 @@ from typing import Protocol
 import torch
 
 from lmloss import _validate
+from lmloss.agreement import describe_arguments, errors_raised_on_every_rank, will_gather
 from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.objectives import OUTPUTS
 from lmloss.sampling import Sampling
-from lmloss.vocab_parallel import (
-    INVARIANT_MAX_COLUMNS,
-    ProcessGroup,
-    VocabShard,
-    errors_raised_on_every_rank,
-    resolve_shard,
-    will_gather,
-    world_size,
-)
+from lmloss.vocab_parallel import INVARIANT_MAX_COLUMNS, ProcessGroup, VocabShard, resolve_shard, world_size
 
 #: The input dtype as it travels in the rank-agreement vector (fp32 on one rank and fp64 on another would
 #: all-reduce partials of different sizes).
@@ -131,6 +124,7 @@ def make_plan(
     options: dict | None = None,
     tensors: dict[str, torch.Tensor | None] | None = None,
     invariant: bool = False,
+    arguments: dict[str, torch.Tensor | None] | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
@@ -138,11 +132,13 @@ def make_plan(
     ``chunk_size="auto"`` from values that every TP rank agrees on. Under `tp_group` the ranks' metadata
     is compared in one all-gather before any other collective (`resolve_shard`): token count, chunk size,
     shard, dtype, the shared options, `agree` (the op's own fields of
-    `lmloss.vocab_parallel.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
-    options, ...; on a mismatch every rank's text of them is shown), and fingerprints of the labels, of
-    `tensors` (the op's per-token tensors, `lmloss.vocab_parallel.TENSOR_FIELDS`), of the sampling
-    parameters given per token and of `support`. The checks here run before it: a rank whose argument
-    fails one takes the error into that gather and every rank raises it (`errors_raised_on_every_rank`);
+    `lmloss.agreement.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
+    options, ...; on a mismatch every rank's text of them is shown), a hash of the dtypes and shapes of
+    `arguments` (the op's tensor arguments, by name: `lmloss.agreement.describe_arguments`; `tensors` are
+    added to them) and fingerprints of the labels, of `tensors` (the op's per-token tensors,
+    `lmloss.agreement.TENSOR_FIELDS`), of the sampling parameters given per token and of `support`. The
+    checks here run before it: a rank whose argument fails one takes the error into that gather and every
+    rank raises it (`errors_raised_on_every_rank`);
     checks made after it on agreed tensors fail on every rank alike.
 
     `support` ``[N, K]`` (a replayed kept set, `lmloss.replay`, already checked locally): the plan's
@@ -173,10 +169,10 @@ def make_plan(
     agree["log_kept_mass"] = int(log_kept_mass)
     agree["invariant"] = int(invariant)
     gathered = will_gather(tp_group, vocab_start)
-    options_text = ""
-    if options and gathered:  # only a gather compares them
-        options_text = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
-        agree["objective"] = _text_hash(options_text)
+    texts = {}
+    if gathered:  # only a gather compares them
+        texts["objective"] = ", ".join(f"{k}={v!r}" for k, v in sorted((options or {}).items()))
+        texts["arguments"] = describe_arguments({**(arguments or {}), **tensors})
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
@@ -187,7 +183,7 @@ def make_plan(
     stats = None if labels is None or not gathered else _validate.label_stats(labels, ignore_index)
     shard, max_local = resolve_shard(
         local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device,
-        agree=fields, label_stats=stats, tensors=tensors if gathered else None, options_text=options_text,
+        agree=fields, label_stats=stats, tensors=tensors if gathered else None, texts=texts,
         block_align=INVARIANT_BLOCK if invariant else 0,
     )  # fmt: skip
     if invariant and shard.vocab_size > INVARIANT_MAX_COLUMNS:  # agreed values: every rank raises alike
@@ -216,15 +212,6 @@ def make_plan(
         log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
         invariant_block=0 if not invariant else 1 if support is not None else INVARIANT_BLOCK,
     )  # fmt: skip
-
-
-def _text_hash(text: str) -> int:
-    """A signed 64-bit FNV-1a hash of `text`, the same in every process (Python's ``hash`` is salted per
-    process)."""
-    h = 0xCBF29CE484222325
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def rank_results(rank: int, world: int, counter) -> dict:
     try:  # shards of 100 columns: rank 1's starts at column 100, inside a block
         lmloss.token_logprobs(torch.zeros(2, 100), torch.zeros(2, dtype=torch.long), tp_group=tp4, invariant=True)
         out["misaligned"] = None
-    except lmloss.vocab_parallel.RankAgreementError as error:
+    except lmloss.agreement.RankAgreementError as error:
         out["misaligned"] = str(error)
     return out
 

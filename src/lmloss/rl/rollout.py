@@ -18,7 +18,7 @@ The log-ratio is clamped to +-20 before ``exp`` (verl's safety bound).
 Under context parallelism (``sequence_ids`` of the CP-local tokens, ``cp_group``) a sequence's sums are
 all-reduced over ``cp_group``; with ``batch_normalize=True`` the weights' mean is taken over ``group`` (the
 ranks that hold the global batch's tokens). Both groups first agree on every argument (one fixed-size
-gather, `lmloss.vocab_parallel.agree_over_group`): a rank whose arguments differ or fail a check makes every
+gather, `lmloss.agreement.agree_over_group`): a rank whose arguments differ or fail a check makes every
 rank raise the same error instead of leaving one waiting in a collective.
 """
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
+from lmloss.agreement import agree_over_group
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
     SEQ_LEN_EPS,
@@ -40,7 +41,7 @@ from lmloss.rl.aggregation import (
     sequence_sums,
 )
 from lmloss.rl.objectives import LOG_RATIO_CLAMP, check_per_token
-from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 LEVELS = ("token", "sequence")
 #: verl 0.9.1's rejection-sampling criteria (``rollout_rs``): a divergence estimate of each token (``token_``),
@@ -50,7 +51,7 @@ REJECTION_CRITERIA = (
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 )  # fmt: skip
-#: The agreement vectors' fields (`lmloss.vocab_parallel.agree_over_group`): the IS weights' options, and
+#: The agreement vectors' fields (`lmloss.agreement.agree_over_group`): the IS weights' options, and
 #: rejection_mask's (``rollout_rs``: a bit per criterion; ``rollout_rs_threshold``: a CRC of the parsed
 #: bounds); ``sequences``: how many sequences the CP sums are indexed by (equal over `cp_group`, per rank
 #: over the normalization `group`); ``dtype``: of the log-probs (the sums' all-reduce).
