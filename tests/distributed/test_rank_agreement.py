@@ -1,8 +1,8 @@
 """TP ranks that disagree raise the same ValueError on every rank; uneven shards compute the right answer.
 
-ONE spawned run of 2 gloo ranks hosts every case (a process-group start costs seconds). The run has a
-deadline and the process group a short collective timeout, so a regression that makes the ranks hang
-fails this test within seconds instead of blocking for gloo's default 30 minutes.
+ONE run of 2 gloo ranks hosts every case (`dist_utils.run_ranks`). The run has a deadline and the process
+group a short collective timeout, so a regression that makes the ranks hang fails this test within seconds
+instead of blocking for gloo's default 30 minutes.
 
 disagree  - per op (token_logprobs, token_entropy, cross_entropy and the fused ops, as each case applies)
             and per case: the ranks call with different token counts, chunk sizes, uneven shards without
@@ -27,25 +27,23 @@ from __future__ import annotations
 
 import os
 
-# the Triton kernels must run on the CPU interpreter in the spawned ranks too: triton reads this variable
-# when it is first imported, and the spawned ranks import this module (and lmloss) before running a case
+# the Triton kernels must run on the CPU interpreter in the ranks too: triton reads this variable
+# when it is first imported, and spawned ranks (where they must be spawned) import this module first
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
 import datetime
-import multiprocessing
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_ranks
 
 import lmloss
-from lmloss.distributed import free_port
 
 WORLD = 2
-RUN_DEADLINE_S = 120  # the whole spawned run; it takes ~15 s when nothing hangs
+RUN_DEADLINE_S = 120  # the whole run; it takes ~15 s when nothing hangs
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
 N, H, V = 6, 8, 32  # tokens, hidden width, global vocabulary columns
 SPLIT = (20, 12)  # uneven shards: rank 0 holds columns [0, 20), rank 1 [20, 32)
@@ -56,46 +54,9 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the harness: one spawned run with a deadline
-
-
-def _entry(rank: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        torch.save(_all_cases(rank), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_with_deadline() -> list[dict]:
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, port, out_dir)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=RUN_DEADLINE_S)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        assert not hung, f"ranks {hung} still running after {RUN_DEADLINE_S} s: a collective hangs"
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * WORLD, f"a rank died (exit codes {codes})"
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return _run_with_deadline()
+    return run_ranks(_all_cases, WORLD, deadline_s=RUN_DEADLINE_S, timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -706,7 +667,7 @@ def _error_of(fn) -> tuple[str, str] | None:
     return None
 
 
-def _all_cases(rank: int) -> dict:
+def _all_cases(rank: int, world: int) -> dict:
     group = dist.new_group(list(range(WORLD)))
     return dict(
         disagree=_disagreements(rank, group), positive=_positive(rank, group), checks_off=_checks_off(rank)
