@@ -30,7 +30,14 @@ ProcessGroup = dist.ProcessGroup
 
 class RankAgreementError(ValueError):
     """Raised on every rank of a TP group when the ranks' arguments disagree, or when one rank's arguments
-    fail a check: every rank raises the same message, naming the rank(s) and the argument."""
+    fail a check: every rank raises the same message, naming the rank(s) and the argument.
+
+    `fields`: the names the ranks disagree on (an agreement field, option or tensor argument), empty where a
+    rank's own check failed."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
 
 
 class RankAgreementTypeError(RankAgreementError, TypeError):
@@ -80,8 +87,10 @@ FLOAT_FIELDS = frozenset(
 #: Arguments whose size along one dimension is this rank's share of the vocabulary (agreed as V_local, and
 #: allowed to differ between ranks): that dimension is written ``V_local`` by `describe_arguments`.
 VOCAB_DIMS = {"logits": -1, "teacher_logits": -1, "weight": 0, "bias": 0, "ref_weight": 0, "teacher_weight": 0}
-#: Bytes of each rank's text in the second gather (made only when some rank failed a check or a text differs).
+#: Bytes of each rank's message in the second gather (made only when some rank failed a check).
 MESSAGE_BYTES = 512
+#: Bytes of each rank's text of `TEXT_FIELDS` in the second gather (made only when a text differs).
+TEXT_BYTES = 4096
 #: How a field is shown in a disagreement message (its codes).
 _SHOWN = {
     "vocab_start_given": "vocab_start passed (1) or not (0)",
@@ -298,7 +307,8 @@ def gather_plan(
         raise RankAgreementError(
             f"TP ranks disagree on {_SHOWN.get(name, name)}: per rank {values}. Every rank of tp_group must "
             f"call the op with the same value, or they would issue different collectives or compute "
-            f"different results"
+            f"different results",
+            (name,),
         )
     _raise_text_disagreement(tp_group, ranks, "arguments", texts, device)
     if all(r["check_ranks"] == 0 for r in ranks):
@@ -308,10 +318,18 @@ def gather_plan(
 
 def _raise_text_disagreement(group, ranks: list[dict], name: str, texts: dict[str, str], device) -> None:
     if len({r[name] for r in ranks}) > 1:  # agreed hashes: every rank makes the second gather, or none
-        shown = _gather_text(group, texts.get(name, ""), device)
+        shown = _gather_text(group, texts.get(name, ""), device, TEXT_BYTES)
+        # only the items that differ ("name: dtype [shape]" of the arguments, "name=value" of the options)
+        separator = "; " if name == "arguments" else ", "
+        parts = [t.split(separator) for t in shown]
+        common = set.intersection(*(set(p) for p in parts))
+        differing = sorted({item.split(":" if name == "arguments" else "=")[0] for p in parts for item in p} -
+                           {item.split(":" if name == "arguments" else "=")[0] for item in common})  # fmt: skip
         raise RankAgreementError(
             f"TP ranks disagree on {TEXT_FIELDS[name]} (every rank of tp_group must pass the same): "
-            + "; ".join(f"rank {i}: {t or '(none)'}" for i, t in enumerate(shown))
+            + " | ".join(f"rank {i}: {separator.join(a for a in p if a not in common) or '(none)'}"
+                         for i, p in enumerate(parts)),  # fmt: skip
+            tuple(differing),
         )
 
 
@@ -372,10 +390,10 @@ def _gather(
     return ranks
 
 
-def _gather_text(group, text: str, device: torch.device) -> list[str]:
-    """Every rank's `text` (its first `MESSAGE_BYTES` bytes), in rank order: one fixed-size all-gather."""
-    data = text.encode()[:MESSAGE_BYTES]
-    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+def _gather_text(group, text: str, device: torch.device, size: int = MESSAGE_BYTES) -> list[str]:
+    """Every rank's `text` (its first `size` bytes), in rank order: one fixed-size all-gather."""
+    data = text.encode()[:size]
+    buf = torch.zeros(size, dtype=torch.uint8)
     buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     buf = buf.to(device)
     everyone = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
@@ -450,7 +468,7 @@ def agree_over_group(
     rows = [t.tolist() for t in everyone]
     _raise_rejected(group, [r[0] for r in rows], error, device, ranks_are=f"{what}: ranks", group_is="the group")
     if len({r[-1] for r in rows}) > 1:
-        shown = _gather_text(group, text or "", device)
+        shown = _gather_text(group, text or "", device, TEXT_BYTES)
         raise RankAgreementError(
             f"{what}: the ranks of the group disagree on the options (every rank must pass the same): "
             + "; ".join(f"rank {i}: {t or '(none)'}" for i, t in enumerate(shown))

@@ -2,7 +2,8 @@
 (its tests compare it with one process, `one_process`). TP=4 (one group) and TP=2 (two groups, with other
 chunk sizes), each rank on one intra-op thread; one process on the test process's own thread count. The
 cases: from logits (log-probs, entropy, per-token cross-entropy with label smoothing and z-loss, top-p and its
-kept mass, a replayed support, both implementations), fused (bias, temperature, bf16, sequence parallelism),
+kept mass, top-p without the entropy, a replayed support, both implementations), fused (bias, temperature, bf16,
+top-p without the entropy, sequence parallelism),
 each rank's columns of a row's logits gradient. The vocabulary is padded as Megatron pads it (1000 ids in 1024
 columns: shards of 512 and 256, multiples of 128).
 """
@@ -62,6 +63,9 @@ def cases(d, rank, tp, group, chunk):
     out["bf16"] = lmloss.token_logprobs(x.bfloat16(), d["labels"], return_entropy=True, **common)
     out["top_p"] = lmloss.token_logprobs(x, d["top_labels"], top_p=0.85, return_entropy=True,
                                          return_log_kept_mass=True, **common)  # fmt: skip
+    # without the entropy the exact kept mass of the threshold search is the row's mass: one rank adds it (the
+    # group's first), the others add 0; the same bits as with the entropy (and as one process)
+    out["top_p_alone"] = lmloss.token_logprobs(x, d["top_labels"], top_p=0.85, **common)
     # vocab_size 700: under TP=4 the last shard (columns 768..1023) is padding only
     small = dict(common, vocab_size=700)
     out["padding_shard"] = (
@@ -73,6 +77,8 @@ def cases(d, rank, tp, group, chunk):
     w, b = d["weight"][rank * (COLS // tp) : (rank + 1) * (COLS // tp)], cols(d["bias"], rank, tp)
     out["fused"] = lmloss.linear_token_logprobs(d["hidden"], w, d["labels"], bias=b, return_entropy=True,
                                                 temperature=T, **common)  # fmt: skip
+    out["fused_top_p_alone"] = lmloss.linear_token_logprobs(d["hidden"], w, d["top_labels"], bias=b, top_p=0.85,
+                                                            temperature=T, **common)  # fmt: skip
     out["fused_bf16"] = lmloss.linear_cross_entropy(d["hidden"].bfloat16(), w.bfloat16(), d["labels"],
                                                     reduction="none", **common)  # fmt: skip
     if tp > 1:  # sequence parallelism: this rank's block of tokens; the op gathers them over the group

@@ -299,7 +299,10 @@ def linear_policy_loss(
             invariant=invariant,
         )  # fmt: skip
     except (TypeError, ValueError) as error:  # raised on every TP rank: the CP ranks of other TP groups hear it too
-        if isinstance(cp_group, ProcessGroup) and group_size(cp_group) > 1:
+        # (unless the TP ranks disagree on cp_group itself: a rank without it cannot take part, docs/reliability.md)
+        if isinstance(cp_group, ProcessGroup) and group_size(cp_group) > 1 and "cp_group" not in getattr(
+            error, "fields", ()
+        ):
             agree_over_cp(cp_group, {}, "", error=error, like=hidden)
         raise
     objective, x, mask = state["objective"], state["x"], state["mask"]

@@ -749,8 +749,9 @@ def off_policy_sequence_mask(
             raise
         error = e
     if group_size(cp_group) > 1:  # every CP rank issues the same all-reduce, or every rank raises the same error
-        agree_over_group(cp_group, "lmloss.rl.off_policy_sequence_mask", ("threshold", "sequences", "dtype"), local,
-                         floats=("threshold",), error=error, like=logprobs)  # fmt: skip
+        ranks = agree_over_group(cp_group, "lmloss.rl.off_policy_sequence_mask", ("threshold", "sequences", "dtype"),
+                                 local, per_rank=("sequences",), floats=("threshold",), error=error, like=logprobs)  # fmt: skip
+        n_seq = max(r["sequences"] for r in ranks)  # a CP rank may hold no token of the last sequences
     diff = torch.nan_to_num(sampling_logprobs.detach() - lp.detach(), nan=0.0).reshape(-1)
     cols = torch.stack([torch.where(valid, diff, 0.0), valid.to(diff.dtype)], dim=1)
     sums = sequence_sums(cols, seq, n_seq, cp_group)
