@@ -1,4 +1,4 @@
-"""``invariant=True`` under tensor parallelism: what each rank of test_vocab_parallel's spawned run computes
+"""``invariant=True`` under tensor parallelism: what each rank of test_vocab_parallel's run computes
 (its tests compare it with one process, `one_process`). TP=4 (one group) and TP=2 (two groups, with other
 chunk sizes), each rank on one intra-op thread; one process on the test process's own thread count. The
 cases: from logits (log-probs, entropy, per-token cross-entropy with label smoothing and z-loss, top-p and its
@@ -94,7 +94,7 @@ def cases(d, rank, tp, group, chunk):
 
 
 def rank_results(rank: int, world: int, counter) -> dict:
-    """This rank's results (test_vocab_parallel's spawned run, 4 ranks): TP=4 (one group) and TP=2 (two
+    """This rank's results (test_vocab_parallel's run, 4 ranks): TP=4 (one group) and TP=2 (two
     groups, other chunk sizes); the collectives per chunk, default and invariant, with their bytes
     (`counter`: that module's collective counter); the misaligned shard's error."""
     assert world == 4

@@ -1,4 +1,4 @@
-"""The integrations on 2 gloo ranks, all in one spawned run (one process-group start):
+"""The integrations on 2 gloo ranks, all in one run (one process-group start):
 
   megatron - Megatron-core's parallel state at TP=2: the drop-in `vocab_parallel_cross_entropy` against
              Megatron's own op (no smoothing) and float64 ``F.cross_entropy`` (with smoothing), and the
