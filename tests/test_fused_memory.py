@@ -5,8 +5,8 @@ Inputs (hidden, weight, bias) are made *before* the block, as `peak_memory`'s do
 the block). "Above inputs and grads" is therefore ``peak_bytes - gradient bytes``.
 
 The project's stated figures are at 8192 tokens x 256 hidden x 32000 vocab, fp32 (naive 2961 MiB,
-``F.linear_cross_entropy`` 39.3 MiB, lmloss 31.3 MiB above inputs + grads). That shape takes ~10 s (every core)
-on 2 cores, so it runs only with ``LMLOSS_FULL_MEMORY_TEST=1``. The always-on test uses the same shape with
+``F.linear_cross_entropy`` 39.3 MiB, lmloss 31.3 MiB above inputs + grads). That shape takes ~10 s on 2 cores (the test
+uses every core), so it runs only with ``LMLOSS_FULL_MEMORY_TEST=1``. The always-on test uses the same shape with
 every dimension divided by 4 (2048 x 64 x 8000): the aspect ratios N/H and V/H are unchanged, so torch's
 ``aspect_ratio`` chunking picks 1/4 of the rows, and with the auto budget divided by 16 (4 MiB instead of
 64 MiB, via ``LMLOSS_CHUNK_BUDGET_MIB``) every term of every peak - naive ``[N, V]`` tensors, torch's weight
