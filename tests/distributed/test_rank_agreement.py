@@ -517,7 +517,7 @@ def _mask(*bits):
     return torch.tensor(bits, dtype=torch.bool)
 
 
-BASE_LABELS = torch.tensor([5, 9, 9, 5, 3, 2])
+BASE_LABELS = torch.tensor([5, 9, 9, 5, 9, 2])  # the same min and max after the pattern
 PG_MASK = (_mask(0, 1, 1, 0, 1, 1), _mask(1, 0, 0, 1, 1, 1))  # the bits: -1, +1, +1, -1 on rank 1
 TOP_K = (torch.tensor([3, 3, 3, 3, 5, 5]), torch.tensor([3, 3, 3, 3, 5, 5]) + PATTERN)  # the same largest top_k
 TOP_P = torch.linspace(0.5, 0.9, N, dtype=torch.float64)
