@@ -205,8 +205,11 @@ def linear_policy_loss(
             on the first pass over a batch whose `old_logprobs` came from that op (the same head, the same
             options) every ratio is exactly 1 (docs/invariant.md). Not with ``kl_loss_type="full"`` (the
             divergence's vocabulary sums have no invariant kernels).
-        Under `tp_group` every rank must pass the same options and per-token tensors: they are agreed in
-        the op's one rank-agreement gather (a rank that differs raises on every rank).
+        Under `tp_group` every rank must pass the same options and per-token tensors (the sequence
+        boundaries, whether `cp_group` is given, clip_cov's generator state and the reference head's dtype and
+        shape included): they are agreed in the op's one rank-agreement gather (a rank that differs raises on
+        every rank). With `cp_group` the CP ranks agree as in `policy_loss`, whatever the loss mode, and an
+        error of the TP agreement is passed on over `cp_group` (docs/reliability.md).
 
     Returns:
         ``(loss, metrics)`` as `policy_loss`'s, the same on every TP rank. For the token-separable loss modes

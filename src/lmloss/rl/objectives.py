@@ -886,7 +886,11 @@ def policy_loss(
         cu_seqlens: int ``[S + 1]`` for packed tokens (sequence boundaries, ending at N); checked when given.
         sequence_ids, cp_group: sequence objectives under context parallelism: each local token's
             sequence (e.g. ``split_batch(...)["sequence_ids"]``) and the group that splits sequences; the
-            per-sequence sums are all-reduced over it so a split sequence gets one ratio.
+            per-sequence sums are all-reduced over it so a split sequence gets one ratio. With `cp_group`
+            every CP rank first agrees (one gather, whatever the loss mode) on the options, the dtype, which
+            optional inputs are given and its sequence count: a disagreement or one rank's failed check
+            raises the same `lmloss.RankAgreementError` on every CP rank, and the sums run over the
+            largest count (a CP rank may hold no token of the last sequences).
         horizon: the constant of ``"seq-mean-token-sum-norm"`` (default ``T`` for rows).
         ref_logprobs, kl_loss_type, kl_loss_coef: KL-to-reference term (`kl_estimate`), added with weight
             `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0; a constant).
