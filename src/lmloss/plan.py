@@ -138,8 +138,8 @@ def make_plan(
     added to them) and fingerprints of the labels, of `tensors` (the op's per-token tensors,
     `lmloss.agreement.TENSOR_FIELDS`), of the sampling parameters given per token and of `support`. The
     checks here run before it: a rank whose argument fails one takes the error into that gather and every
-    rank raises it (`errors_raised_on_every_rank`);
-    checks made after it on agreed tensors fail on every rank alike.
+    rank raises it (`errors_raised_on_every_rank`); checks made after it on agreed tensors fail on every
+    rank alike.
 
     `support` ``[N, K]`` (a replayed kept set, `lmloss.replay`, already checked locally): the plan's
     kernels run over the K slots per rank (`shard`, `math`; the vocabulary's are `vocab`, `vocab_math`).
