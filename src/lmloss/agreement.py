@@ -167,7 +167,7 @@ def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
     header = [_DTYPE_KEYS.get(flat.dtype, 99), t.dim(), *t.shape]
     h = 0
     for v in header:  # the dtype and shape: host integers, mixed on the host
-        h = _signed((_unsigned_mix(h ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF)
+        h = _signed((_unsigned_mix((h ^ v) & 0xFFFFFFFFFFFFFFFF) + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF)
     position = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) * _GOLDEN + h
     return mix64(mix64(position) ^ _bits(flat)).sum() + h
 
