@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lmloss
+from impl_params import IMPLS
 from lmloss.rl import policy_loss, token_weights
 
 REL = dict(rtol=1e-7, atol=1e-12)
@@ -572,3 +573,26 @@ def test_the_reference_heads_row_count_is_checked_against_the_policys_vocabulary
     with pytest.raises(ValueError, match=r"ref_weight must be \[V_local, H_ref\] with the policy's V_local=7, got \(6, 3\)"):
         lmloss.rl.linear_policy_loss(d["hidden"], d["weight"], d["labels"], d["old"], d["adv"], kl_loss_type="full",
                                      kl_loss_coef=0.1, ref_hidden=d["ref_hidden"], ref_weight=short)  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_fused_full_kl_where_the_policy_has_no_mass_on_a_column_is_the_finite_kl(impl):
+    """A vocabulary column the policy gives no mass (a -inf bias: a banned token) adds 0 to KL(pi || pi_ref), as
+    in plain PyTorch's sum over pi > 0; it came out NaN from the PyTorch kernels (0 * (-inf - z))."""
+    g = torch.Generator().manual_seed(50)
+    n, h, v = 5, 4, 9
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g).requires_grad_()
+    ref_hidden, ref_weight = torch.randn(n, 3, generator=g), torch.randn(v, 3, generator=g)
+    bias = torch.zeros(v)
+    bias[2] = -math.inf
+    labels, old, adv = torch.tensor([0, 1, 3, 4, 5]), -torch.rand(n, generator=g) - 1, torch.randn(n, generator=g)
+    loss, metrics = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, bias=bias, kl_loss_type="full",
+                                                 kl_loss_coef=0.1, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                                                 impl=impl)  # fmt: skip
+    loss.backward()
+    log_p = torch.log_softmax(hidden.double() @ weight.detach().double().T + bias.double(), -1)
+    log_r = torch.log_softmax(ref_hidden.double() @ ref_weight.double().T, -1)
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_r), 0.0).sum(-1)
+    torch.testing.assert_close(metrics["kl_loss"].double(), kl.mean(), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(loss) and torch.isfinite(weight.grad).all()

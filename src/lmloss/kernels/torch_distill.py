@@ -90,6 +90,9 @@ class TorchDistillKernels(TorchKernels):
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         transform_into(work, xv, math_, aliased=in_out and out is x, shift=lse)  # log p
         p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
+        # a column without the policy's mass (x = -inf, p = 0) adds 0 (-inf - z, or -inf - -inf = NaN, times 0
+        # would be NaN); one without the reference's (z = -inf) where p > 0 adds +inf, as plain PyTorch gives
+        q.nan_to_num_(nan=0.0, posinf=math.inf, neginf=_FP32_MIN)
         with serial_row_reductions(rows, x.device):
             sums = q.mul_(p).sum(dim=-1)
         coef, z_coef, entropy = finish(sums)
