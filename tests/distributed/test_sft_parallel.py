@@ -33,7 +33,7 @@ from lmloss.sft.parallel import Mesh  # noqa: E402
 from lmloss.sft.report import MetricsLog  # noqa: E402
 from lmloss.sft.trainer import Trainer, prepare_data  # noqa: E402
 
-STEPS = 20
+STEPS = 12  # the reference loss falls by 1.9 over them (6.27 -> a last-five mean of 4.36)
 LAYOUTS = {  # name: (dp, cp, tp, ranks, extra config)
     "dp2_cp2": (2, 2, 1, [0, 1, 2, 3], {"memory_profile": {"profile_steps": [1]}}),
     "tp2_cp2": (1, 2, 2, [0, 1, 2, 3], {"memory_profile": {"profile_steps": [2], "ranks": [0, 3]}}),
