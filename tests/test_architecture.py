@@ -1,6 +1,7 @@
 """The package's shape, as the one-loop design states it (docs/architecture.md): no import cycle, no module
 importing another module's private name, one chunk loop (`lmloss.plan`), at most three loss autograd
-Functions (`lmloss.functions`). Read from the source with `ast`, function-level imports included."""
+Functions (`lmloss.functions`), the rank agreement in its own module (`lmloss.agreement`). Read from the source
+with `ast`, function-level imports included."""
 
 from __future__ import annotations
 
@@ -85,6 +86,41 @@ def test_no_module_imports_another_modules_private_name():
         if name is not None and name.startswith("_") and dep != m and not name.startswith("__")
     ]
     assert found == []
+
+
+#: What the rank agreement is made of (docs/reliability.md): defined in `lmloss.agreement` and nowhere else.
+AGREEMENT_NAMES = {
+    "RankAgreementError", "RankAgreementTypeError", "HOST_FIELDS", "TENSOR_FIELDS", "LABEL_FIELDS", "agree_over_group",
+    "gather_plan", "check_plan_tensors", "errors_raised_on_every_rank", "tensor_fingerprint", "tensor_stats",
+    "describe_arguments", "rank_checks_enabled", "will_gather",
+}  # fmt: skip
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_the_rank_agreement_lives_in_its_own_module_beside_the_tp_math():
+    """`lmloss.agreement` defines the agreement (and imports no other lmloss module: every op may use it);
+    `lmloss.vocab_parallel` holds the TP math and resolves its shard through it; every module takes the
+    agreement's names from it."""
+    modules = _modules()
+    known = set(modules)
+    assert _defined(modules["lmloss.agreement"]) >= AGREEMENT_NAMES
+    assert [dep for dep, _ in _imports("lmloss.agreement", modules["lmloss.agreement"], known)] == []
+    elsewhere = {m: names & AGREEMENT_NAMES for m, t in modules.items() if (names := _defined(t)) & AGREEMENT_NAMES}
+    assert elsewhere == {"lmloss.agreement": AGREEMENT_NAMES}
+    taken = {
+        (m, name, dep) for m, t in modules.items() for dep, name in _imports(m, t, known) if name in AGREEMENT_NAMES
+    }
+    assert taken and all(dep == "lmloss.agreement" for _, _, dep in taken), sorted(taken)
+    assert ("lmloss.vocab_parallel", "gather_plan", "lmloss.agreement") in taken
 
 
 def test_plan_holds_the_only_chunk_loops():

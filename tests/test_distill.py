@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lmloss
+from impl_params import IMPLS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -489,3 +490,32 @@ def test_a_sparse_teacher_whose_top_k_mass_is_a_little_above_one_gets_the_gradie
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     for got, want in zip([t.grad for t in leaves], refs):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _kl_where_p_has_mass(log_p, log_q):
+    """``KL(p || q) = sum over the columns where p > 0 of p (log p - log q)``, plain float64: +inf where q has
+    no mass (log q = -inf) under some column of p's; a column without p's mass adds 0 (as ``0 log 0 = 0``)."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_infinite_divergence_comes_out_infinite_as_in_plain_pytorch(impl):
+    g = torch.Generator().manual_seed(40)
+    s, t = torch.randn(4, 9, generator=g), torch.randn(4, 9, generator=g)
+    s[0, 2] = -math.inf  # the student has no mass where the teacher has: forward KL(t || s) = inf
+    t[1, 5] = -math.inf  # the teacher has no mass where the student has: reverse KL(s || t) = inf
+    s[2, 1] = t[2, 1] = -math.inf  # neither has mass there: finite
+    ls, lt = s.double().log_softmax(-1), t.double().log_softmax(-1)
+    forward = lmloss.distillation_loss(s, t, beta=0.0, reduction="none", impl=impl)
+    reverse = lmloss.distillation_loss(s, t, beta=1.0, reduction="none", impl=impl)
+    full_kl = lmloss.rl.full_kl(s, t, impl=impl)
+    for got, want in ((forward, _kl_where_p_has_mass(lt, ls)), (reverse, _kl_where_p_has_mass(ls, lt)),
+                      (full_kl, _kl_where_p_has_mass(ls, lt))):  # fmt: skip
+        assert torch.isinf(want).tolist() == [v == math.inf for v in got.tolist()]
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got.double()[finite], want[finite], rtol=1e-5, atol=1e-6)
+    assert forward[0] == math.inf and reverse[1] == math.inf
+    assert lmloss.distillation_loss(s, t, beta=0.0, reduction="mean", impl=impl) == math.inf
+    jsd = lmloss.distillation_loss(s, t, beta=0.5, reduction="none", impl=impl)  # the mixture has mass: finite
+    assert torch.isfinite(jsd).all()

@@ -341,6 +341,41 @@ def test_the_first_ppo_ratio_is_exactly_one_whatever_the_split():
     assert metrics["pg_clipfrac"].item() == 0.0 and metrics["ppo_kl"].item() == 0.0
 
 
+@pytest.mark.parametrize("path", ["logits", "fused"])
+def test_top_p_log_probs_are_the_same_bits_whichever_outputs_are_asked(path):
+    """The kept set's log-probs do not depend on whether the entropy (or the kept mass) is asked: the kept
+    mass the threshold search summed exactly is the row's mass in every case."""
+    if path == "logits":
+        x, _ = _logits(torch.float32, seed=31)
+
+        def op(**kw):
+            return lmloss.token_logprobs(x, x.argmax(-1), top_p=0.85, invariant=True, chunk_size=64, **kw)
+    else:
+        hidden, weight, _, _ = _head(torch.float32, seed=31)
+        top = (hidden @ weight.T).argmax(-1)
+
+        def op(**kw):
+            return lmloss.linear_token_logprobs(hidden, weight, top, top_p=0.85, invariant=True, chunk_size=64, **kw)
+
+    alone = op()
+    with_entropy, _ = op(return_entropy=True)
+    with_mass, _ = op(return_log_kept_mass=True)
+    assert torch.isfinite(alone).all()
+    assert torch.equal(with_entropy, alone) and torch.equal(with_mass, alone)
+
+
+def test_the_first_ratio_of_a_top_p_policy_with_an_entropy_bonus_is_exactly_one():
+    """`linear_policy_loss(top_p=..., invariant=True, entropy_coeff != 0)` (which asks for the entropy) on old
+    log-probs of `linear_token_logprobs(top_p=..., invariant=True)` (which does not)."""
+    hidden, weight, _, _ = _head(torch.float32, seed=32)
+    labels = (hidden @ weight.T).argmax(-1)
+    adv = torch.randn(N, generator=torch.Generator().manual_seed(33))
+    old = lmloss.linear_token_logprobs(hidden, weight, labels, top_p=0.9, invariant=True)
+    _, metrics = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, top_p=0.9, invariant=True,
+                                              entropy_coeff=0.01, chunk_size=96)  # fmt: skip
+    assert metrics["ratio_max"].item() == 1.0 and metrics["ratio_min"].item() == 1.0
+
+
 def test_invariant_is_checked_and_refused_where_it_cannot_hold():
     x, labels = _logits(torch.float32, n=4)
     with pytest.raises(TypeError, match="invariant must be a bool"):

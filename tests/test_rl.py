@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lmloss
+from impl_params import IMPLS
 from lmloss.rl import policy_loss, token_weights
 
 REL = dict(rtol=1e-7, atol=1e-12)
@@ -370,6 +371,9 @@ def _bad(**over):
         (dict(horizon=float("nan"), loss_agg_mode="seq-mean-token-sum-norm"), "horizon"),
         (dict(horizon=0, loss_agg_mode="seq-mean-token-sum-norm"), "horizon"),
         (dict(token_weights=torch.ones(B, T), loss_agg_mode="seq-mean-token-mean"), "token_weights"),
+        # an option that does not apply is refused, not ignored: the importance weight of a KL estimate
+        (dict(kl_importance_weighted=True, kl_loss_type="full"), "kl_importance_weighted"),
+        (dict(kl_importance_weighted=True, loss_mode="gspo", cu_seqlens=None), "kl_importance_weighted"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(over, name):
@@ -535,3 +539,60 @@ def test_linear_policy_loss_runs_every_loss_mode_like_policy_loss():
         torch.testing.assert_close(
             _grads(got, weight)[0], _grads(want, weight)[0], rtol=1e-10, atol=1e-12, msg=mode
         )
+
+
+def _fused_full_kl_case(seed=21):
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = 6, 4, 7
+    d = dict(
+        hidden=torch.randn(n, h, generator=g, dtype=torch.float64), weight=torch.randn(v, h, generator=g, dtype=torch.float64),
+        labels=torch.randint(0, v, (n,), generator=g), old=-torch.rand(n, generator=g, dtype=torch.float64) - 1.0,
+        adv=torch.randn(n, generator=g, dtype=torch.float64), ref_hidden=torch.randn(n, 3, generator=g, dtype=torch.float64),
+        ref_weight=torch.randn(v, 3, generator=g, dtype=torch.float64),
+    )  # fmt: skip
+    return d
+
+
+def test_kl_importance_weighted_is_refused_with_the_full_kl_in_both_ops():
+    d = _fused_full_kl_case()
+    with pytest.raises(ValueError, match="kl_importance_weighted"):
+        lmloss.rl.linear_policy_loss(d["hidden"], d["weight"], d["labels"], d["old"], d["adv"], kl_loss_type="full",
+                                     kl_loss_coef=0.1, ref_hidden=d["ref_hidden"], ref_weight=d["ref_weight"],
+                                     kl_importance_weighted=True)  # fmt: skip
+    lp, old, adv, _, _, mask = _batch(8)
+    with pytest.raises(ValueError, match="kl_importance_weighted"):
+        policy_loss(lp, old, adv, mask, kl_loss_type="full", kl_loss_coef=0.1, kl=torch.zeros(B, T),
+                    kl_importance_weighted=True)  # fmt: skip
+    # accepted with an estimator (it weights that estimate)
+    policy_loss(lp, old, adv, mask, kl_loss_type="k3", kl_loss_coef=0.1, ref_logprobs=old, kl_importance_weighted=True)
+
+
+def test_the_reference_heads_row_count_is_checked_against_the_policys_vocabulary_shard():
+    d = _fused_full_kl_case()
+    short = d["ref_weight"][:-1]
+    with pytest.raises(ValueError, match=r"ref_weight must be \[V_local, H_ref\] with the policy's V_local=7, got \(6, 3\)"):
+        lmloss.rl.linear_policy_loss(d["hidden"], d["weight"], d["labels"], d["old"], d["adv"], kl_loss_type="full",
+                                     kl_loss_coef=0.1, ref_hidden=d["ref_hidden"], ref_weight=short)  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_fused_full_kl_where_the_policy_has_no_mass_on_a_column_is_the_finite_kl(impl):
+    """A vocabulary column the policy gives no mass (a -inf bias: a banned token) adds 0 to KL(pi || pi_ref), as
+    in plain PyTorch's sum over pi > 0; it came out NaN from the PyTorch kernels (0 * (-inf - z))."""
+    g = torch.Generator().manual_seed(50)
+    n, h, v = 5, 4, 9
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g).requires_grad_()
+    ref_hidden, ref_weight = torch.randn(n, 3, generator=g), torch.randn(v, 3, generator=g)
+    bias = torch.zeros(v)
+    bias[2] = -math.inf
+    labels, old, adv = torch.tensor([0, 1, 3, 4, 5]), -torch.rand(n, generator=g) - 1, torch.randn(n, generator=g)
+    loss, metrics = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, bias=bias, kl_loss_type="full",
+                                                 kl_loss_coef=0.1, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                                                 impl=impl)  # fmt: skip
+    loss.backward()
+    log_p = torch.log_softmax(hidden.double() @ weight.detach().double().T + bias.double(), -1)
+    log_r = torch.log_softmax(ref_hidden.double() @ ref_weight.double().T, -1)
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_r), 0.0).sum(-1)
+    torch.testing.assert_close(metrics["kl_loss"].double(), kl.mean(), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(loss) and torch.isfinite(weight.grad).all()

@@ -219,6 +219,38 @@ def test_off_policy_mask_threshold_is_a_pg_mask(trainer):
     _check(got, want, lp)
 
 
+def _trl_off_policy_keep(t, threshold):
+    """TRL's own ``GRPOTrainer.get_off_policy_mask`` (per sequence), as a per-token bool mask of the valid tokens."""
+    keep = trl.GRPOTrainer.get_off_policy_mask(t["adv"][:, None], t["lp"], t["sampling"], t["mask"].double(), threshold)
+    return keep.bool().expand(B, T) & t["mask"]
+
+
+def test_off_policy_mask_keeps_a_zero_advantage_sequence_however_far_off_policy_as_trl():
+    t = _tensors(6)
+    t["adv"] = torch.tensor([1.1, 0.0, -0.4, -1.3], dtype=torch.float64)
+    t["sampling"][1] = t["lp"][1] + 2.0  # its mean KL is 2.0, ten times the threshold; its advantage is 0
+    t["sampling"][3] = t["lp"][3] + 2.0  # the same, with a negative advantage: dropped
+    keep = lmloss.rl.off_policy_sequence_mask(t["lp"], t["sampling"], t["adv"][:, None].expand(B, T), t["mask"],
+                                              threshold=0.2)  # fmt: skip
+    want = _trl_off_policy_keep(t, 0.2)
+    assert want[1][t["mask"][1]].all() and not want[3].any()
+    assert torch.equal(keep, want)
+
+
+def test_off_policy_mask_of_a_padded_sequence_is_the_mean_over_its_valid_tokens_as_trl():
+    t = _tensors(7)
+    t["adv"] = torch.tensor([1.1, -0.7, -0.4, -1.3], dtype=torch.float64)
+    # sequence 2 has 2 valid tokens of 6: their mean KL 0.3 is above the threshold 0.2, while the mean over all 6
+    # positions (the padding's KL 0) would be 0.1, below it
+    t["sampling"][2] = t["lp"][2]
+    t["sampling"][2, :2] = t["lp"][2, :2] + 0.3
+    keep = lmloss.rl.off_policy_sequence_mask(t["lp"], t["sampling"], t["adv"][:, None].expand(B, T), t["mask"],
+                                              threshold=0.2)  # fmt: skip
+    want = _trl_off_policy_keep(t, 0.2)
+    assert LENGTHS[2] == 2 and not want[2].any()
+    assert torch.equal(keep, want)
+
+
 def test_the_entropy_bonus_of_a_token_mean_loss_type(trainer):
     # TRL's bonus is a token mean whatever the loss type; lmloss weighs it like the policy term: the same
     # for the token-mean types

@@ -9,6 +9,7 @@ verl is not installed). The references are verl's functions called on the same t
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -153,6 +154,23 @@ def test_the_batch_exercises_every_branch_and_a_swapped_clip_pair_changes_every_
         **{k: v for k, v in LOSSES["vanilla"].items() if k != "clip_ratio_c"},
     )
     assert m["pg_clipfrac_lower"] > 0  # the dual clip bites
+
+
+@pytest.mark.parametrize("loss", ["dppo_tv", "dppo_kl"])
+def test_dppo_clipfrac_lower_counts_the_valid_tokens_above_clip_ratio_c_as_verl(loss):
+    lp, old, adv, mask = _batch(4)
+    # a token whose probability moves 0.01 -> 0.05: ratio 5 above clip_ratio_c = 2.5, yet within the TV / KL
+    # thresholds (a valid token: its policy term counts, capped at c)
+    lp[1, 3], old[1, 3], adv[1, 3], mask[1, 3] = math.log(0.05), math.log(0.01), 1.0, True
+    _, metrics = CA.POLICY_LOSS_REGISTRY[loss](
+        old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
+        config=verl_config(loss), rollout_is_weights=None,
+    )  # fmt: skip
+    _, m = policy_loss(lp, old, adv, mask, loss_mode=loss, **LOSSES[loss])
+    want = metrics["actor/pg_clipfrac_lower"]
+    assert want > 0
+    assert float(m["pg_clipfrac_lower"]) == pytest.approx(want, rel=1e-6)
+    assert float(m["pg_clipfrac"]) == pytest.approx(metrics["actor/pg_clipfrac"], rel=1e-6)
 
 
 @pytest.mark.parametrize("loss", sorted(VERL_FIXED_AGG))

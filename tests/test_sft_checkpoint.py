@@ -307,3 +307,53 @@ def test_shard_recording_another_step_than_its_manifest_is_not_intact(full, tmp_
     point = checkpoint.find(tmp_path, "latest")
     assert point.step == 4 and point.note == f"checkpoint step_6 ({reason}): not intact; resuming from step_4, " \
         "the newest intact one"  # fmt: skip
+
+
+def _copy_checkpoints(full: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(full / "checkpoints", root)
+    return root
+
+
+def test_shard_recording_another_tp_than_its_manifest_is_not_intact(full, tmp_path):
+    root = _copy_checkpoints(full, tmp_path)
+    shard = root / "step_6" / "tp0.pt"
+    blob = torch.load(shard, weights_only=True)
+    blob["tp"] = 2
+    torch.save(blob, shard)
+    _reseal(root / "step_6")  # its checksum matches: only what it records is wrong
+    reason = "tp0.pt records step 6 with tp=2, its manifest.json step 6 with tp=1"
+    assert checkpoint.verify(root / "step_6") == reason
+    assert checkpoint.find(tmp_path, "latest").step == 4
+
+
+def test_manifest_listing_a_shard_of_another_tp_rank_is_not_intact(full, tmp_path):
+    root = _copy_checkpoints(full, tmp_path)
+    manifest = json.loads((root / "step_6" / "manifest.json").read_text())
+    manifest["shards"]["tp1.pt"] = dict(manifest["shards"]["tp0.pt"])  # tp=1 writes tp0.pt only
+    (root / "step_6" / "manifest.json").write_text(json.dumps(manifest))
+    assert checkpoint.verify(root / "step_6") == "its manifest.json (tp=1) lists tp1.pt, which tp=1 does not write"
+    assert checkpoint.find(tmp_path, "latest").step == 4
+
+
+def test_a_shard_on_disk_that_its_manifest_does_not_list_is_not_intact(full, tmp_path):
+    root = _copy_checkpoints(full, tmp_path)
+    shutil.copyfile(root / "step_6" / "tp0.pt", root / "step_6" / "tp1.pt")  # e.g. left by a tp=2 run
+    assert checkpoint.verify(root / "step_6") == "tp1.pt is on disk but not in its manifest.json (tp=1)"
+    assert checkpoint.find(tmp_path, "latest").step == 4
+
+
+def test_load_of_a_shard_that_changed_after_its_checkpoint_was_found_restores_nothing(full, tmp_path):
+    """`checkpoint.load` checks the shard it reads against the manifest again: one replaced between `find` and
+    `load` (here by the step-4 shard) is refused, naming both, and nothing is restored."""
+    root = _copy_checkpoints(full, tmp_path)
+    point = checkpoint.find(tmp_path, "latest")
+    assert point.step == 6
+    shutil.copyfile(root / "step_4" / "tp0.pt", root / "step_6" / "tp0.pt")
+    model = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(checkpoint.CheckpointError, match=r"tp0.pt records step 4 with tp=1, its manifest step 6 "
+                                                         r"with tp=1"):  # fmt: skip
+        checkpoint.load(point, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), mesh=Mesh(),
+                        device=torch.device("cpu"))  # fmt: skip
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -10,6 +10,7 @@ with _warnings.catch_warnings():
     import torch as _torch  # noqa: F401
 
 from lmloss import cp, distributed, metrics, packing, rl
+from lmloss.agreement import RankAgreementError
 from lmloss.distill import distillation_loss, linear_distillation_loss
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
 from lmloss.fused import linear_cross_entropy, linear_token_logprobs
@@ -17,7 +18,6 @@ from lmloss.logits import cross_entropy, token_entropy, token_logprobs
 from lmloss.metrics import StatsTracker
 from lmloss.modules import CrossEntropyLoss, LinearCrossEntropyLoss
 from lmloss.packing import PackedBatch, pack, shift_labels
-from lmloss.vocab_parallel import RankAgreementError
 
 __all__ = [
     "CrossEntropyLoss",

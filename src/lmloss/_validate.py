@@ -2,7 +2,7 @@
 
 Every check here is local (no collective): they all run before the plan's one rank-agreement gather.
 Under a TP group a failure there is not raised at once: it travels in that gather as an error code and
-every rank raises it (`lmloss.vocab_parallel.errors_raised_on_every_rank`), so no rank waits in a
+every rank raises it (`lmloss.agreement.errors_raised_on_every_rank`), so no rank waits in a
 collective that another one skipped.
 """
 
@@ -12,6 +12,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from lmloss.agreement import tensor_fingerprint
 
 REDUCTIONS = ("mean", "sum", "none")
 #: 1 / temperature must stay far from fp32 overflow (scaled logits of 1e4 at T = 1e-6 are 1e10).
@@ -150,21 +152,18 @@ def check_invariant(invariant: object) -> None:
 
 
 def label_stats(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[5]`` int64 on the labels' device: min and max of the labels (ignored ones count as 0), then a
-    fingerprint of the non-ignored ones: their count, their sum and a position-weighted sum
-    ``sum (label + 1) * (position + 1)`` (it moves when labels swap places or the ignore mask moves).
+    """``[4]`` int64 on the labels' device (`lmloss.agreement.LABEL_FIELDS`): min and max of the labels
+    (ignored ones count as 0), how many are not ignored, and a fingerprint of the labels and their places
+    (`lmloss.agreement.tensor_fingerprint`: non-linear, so a patterned change cannot cancel in it).
 
     Gathered with the TP ranks' metadata without a host sync before the collective: the range check and
-    the check that every rank holds the same labels need nothing else. Sums wrap around int64 the same
-    way on every rank.
+    the check that every rank holds the same labels need nothing else.
     """
     if labels.numel() == 0:
-        return torch.zeros(5, dtype=torch.int64, device=labels.device)
+        return torch.zeros(4, dtype=torch.int64, device=labels.device)
     valid = labels != ignore_index
     kept = torch.where(valid, labels, 0)
-    position = torch.arange(1, labels.numel() + 1, dtype=torch.int64, device=labels.device)
-    weighted = torch.where(valid, (kept + 1) * position, 0)
-    return torch.stack([kept.min(), kept.max(), valid.sum(), kept.sum(), weighted.sum()])
+    return torch.stack([kept.min(), kept.max(), valid.sum(), tensor_fingerprint(labels)])
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

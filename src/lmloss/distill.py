@@ -42,6 +42,7 @@ import math
 import torch
 
 from lmloss import _validate
+from lmloss.agreement import errors_raised_on_every_rank
 from lmloss.chunks import HiddenRows, LogitRows, LogitsHead, auto_chunk_size, chunk_budget_mib
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
@@ -50,7 +51,7 @@ from lmloss.kernels.torch_ref import transform_into
 from lmloss.logits import reduce_loss
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, SparseTeacherObjective
 from lmloss.plan import make_plan
-from lmloss.vocab_parallel import ProcessGroup, errors_raised_on_every_rank, gather_rows
+from lmloss.vocab_parallel import ProcessGroup, gather_rows
 
 #: Teacher top-k probabilities may sum above 1 by this much (an engine's rounding) before it is an error.
 TOPK_MASS_TOLERANCE = 1e-3
@@ -315,6 +316,7 @@ def distillation_loss(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         impl=impl, agree=agree, tensors=_tensors(topk, flat_labels, ignore_index),
         counting=None if flat_labels is None else flat_labels != ignore_index,
+        arguments={"logits": student_logits, "teacher_logits": teacher_logits},
     )  # fmt: skip
 
     def make_teacher(rows, cols=None):
@@ -438,7 +440,10 @@ def linear_distillation_loss(
         if teacher_topk is not None:
             checked["topk"] = _check_topk(teacher_topk, expected, student_weight.device, spec.beta, temperature)
             agree["teacher_topk"] = checked["topk"][0].shape[1]
-        return {"tensors": _tensors(checked.get("topk"), None, ignore_index)}  # labels: agreed by the plan
+        return {  # labels: agreed by the plan
+            "tensors": _tensors(checked.get("topk"), None, ignore_index),
+            "arguments": {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight},
+        }
 
     p = prepare(
         student_hidden, student_weight, labels, None, chunk_size=chunk_size, temperature=temperature,

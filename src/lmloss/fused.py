@@ -33,6 +33,7 @@ import math
 import torch
 
 from lmloss import _validate, replay
+from lmloss.agreement import errors_raised_on_every_rank
 from lmloss.chunks import (
     WEIGHT_TILE_ROWS,
     FusedSchedule,
@@ -52,7 +53,7 @@ from lmloss.logits import loss_denominator
 from lmloss.objectives import SoftmaxObjective
 from lmloss.plan import make_plan
 from lmloss.sampling import make_sampling, report_dropped
-from lmloss.vocab_parallel import ProcessGroup, errors_raised_on_every_rank, world_size
+from lmloss.vocab_parallel import ProcessGroup, world_size
 
 #: Bytes per logit a fused chunk holds with the PyTorch kernels, for ``chunk_size="auto"``: two fp32
 #: ``[chunk, V_local]`` tensors at once (the logits chunk, and ``p`` beside it for an entropy gradient).
@@ -123,7 +124,7 @@ def prepare(
 ) -> Prepared:  # fmt: skip
     """Check the tensors, resolve the plan, gather sequence-parallel hidden states (every fused op's door).
 
-    `agree`: more values every TP rank must share (fields of `lmloss.vocab_parallel.HOST_FIELDS`);
+    `agree`: more values every TP rank must share (fields of `lmloss.agreement.HOST_FIELDS`);
     `bytes_per_logit`: the PyTorch implementation's per-logit working set (default
     `TORCH_BYTES_PER_LOGIT`), for ops holding more; `chunk_buffers`: how many chunk-sized buffers of the input
     dtype the Triton implementation holds (1: the chunk itself); both size the chunks within the memory
@@ -151,6 +152,7 @@ def prepare(
         tp=world_size(tp_group), sequence_parallel=sequence_parallel, weight_pass=options.get("support") is None,
         invariant=invariant,
     )  # fmt: skip
+    arguments = {"hidden": hidden, "weight": weight, "bias": bias, **options.pop("arguments", {})}
     agree = {
         "op": 1, **(agree or {}), "hidden_width": weight.shape[1], "sequence_parallel": int(sequence_parallel),
         "grad": int(grad), "reduction": -1 if reduction is None else _validate.REDUCTIONS.index(reduction),
@@ -160,7 +162,7 @@ def prepare(
     plan = make_plan(
         n_tokens=n_tokens, local_vocab=weight.shape[0], device=weight.device, dtype=weight.dtype,
         labels=None if labels is None else labels.reshape(-1), chunk_size=chunk_size, auto_chunk=None,
-        schedule=schedule, tp_group=tp_group, agree=agree, invariant=invariant, **options,
+        schedule=schedule, tp_group=tp_group, agree=agree, invariant=invariant, arguments=arguments, **options,
     )  # fmt: skip
     if invariant and plan.chunk_size is not None:  # whole tiles per chunk (agreed values: the same on every rank)
         rows = invariant_gemm_tile(weight.device)[0]

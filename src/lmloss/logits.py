@@ -14,13 +14,14 @@ import math
 import torch
 
 from lmloss import _validate, replay
+from lmloss.agreement import errors_raised_on_every_rank
 from lmloss.chunks import LogitsHead, auto_chunk_size, chunk_budget_mib
 from lmloss.functions import InPlaceCrossEntropy, Op, PerTokenLoss
 from lmloss.kernels import compute_dtype
 from lmloss.objectives import SoftmaxObjective
 from lmloss.plan import LossPlan, make_plan
 from lmloss.sampling import make_sampling, report_dropped
-from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, errors_raised_on_every_rank
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 #: Bytes per logit the PyTorch kernels hold for a chunk (two fp32 scratch buffers), for ``chunk_size="auto"``
 #: (`lmloss.chunks.auto_chunk_size`); the Triton kernels hold nothing chunk-sized: one chunk.
@@ -47,7 +48,8 @@ def _plan(logits: torch.Tensor, labels: torch.Tensor | None, budget: float, **op
     return make_plan(
         n_tokens=math.prod(logits.shape[:-1]), local_vocab=logits.shape[-1], device=device, dtype=logits.dtype,
         labels=None if labels is None else labels.reshape(-1),
-        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device, budget), **options,
+        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device, budget), arguments={"logits": logits},
+        **options,
     )  # fmt: skip
 
 
@@ -323,7 +325,7 @@ def cross_entropy(
 def _agree(
     logits: torch.Tensor, budget: float, *, reduction: str | None = None, mean_group: ProcessGroup | None = None
 ) -> dict[str, int | float]:
-    """The logits ops' fields of the TP ranks' agreement vector (`lmloss.vocab_parallel.HOST_FIELDS`)."""
+    """The logits ops' fields of the TP ranks' agreement vector (`lmloss.agreement.HOST_FIELDS`)."""
     return dict(
         op=0, chunk_budget=budget,
         reduction=-1 if reduction is None else _validate.REDUCTIONS.index(reduction),

@@ -19,19 +19,12 @@ from typing import Protocol
 import torch
 
 from lmloss import _validate
+from lmloss.agreement import describe_arguments, errors_raised_on_every_rank, will_gather
 from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.objectives import OUTPUTS
 from lmloss.rows import Rows, RowSelection, all_rows
 from lmloss.sampling import Sampling
-from lmloss.vocab_parallel import (
-    INVARIANT_MAX_COLUMNS,
-    ProcessGroup,
-    VocabShard,
-    errors_raised_on_every_rank,
-    resolve_shard,
-    will_gather,
-    world_size,
-)
+from lmloss.vocab_parallel import INVARIANT_MAX_COLUMNS, ProcessGroup, VocabShard, resolve_shard, world_size
 
 #: ``source(rows, cols) -> x [c, V_local]`` (or ``[c, c1 - c0]`` for local columns ``cols = (c0, c1)``)
 ChunkSource = Callable[..., torch.Tensor]
@@ -160,6 +153,7 @@ def make_plan(
     invariant: bool = False,
     counting: torch.Tensor | None = None,
     schedule: Callable | None = None,
+    arguments: dict[str, torch.Tensor | None] | None = None,
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
@@ -170,12 +164,14 @@ def make_plan(
     `gathered`: rows are skipped, so its chunks gather theirs). Under `tp_group` the ranks' metadata
     is compared in one all-gather before any other collective (`resolve_shard`): token count, chunk size,
     shard, dtype, the shared options, `agree` (the op's own fields of
-    `lmloss.vocab_parallel.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
-    options, ...; on a mismatch every rank's text of them is shown), and fingerprints of the labels, of
-    `tensors` (the op's per-token tensors, `lmloss.vocab_parallel.TENSOR_FIELDS`), of the sampling
-    parameters given per token and of `support`. The checks here run before it: a rank whose argument
-    fails one takes the error into that gather and every rank raises it (`errors_raised_on_every_rank`);
-    checks made after it on agreed tensors fail on every rank alike.
+    `lmloss.agreement.HOST_FIELDS`), a hash of `options` (an objective's further options: RL policy
+    options, ...; on a mismatch every rank's text of them is shown), a hash of the dtypes and shapes of
+    `arguments` (the op's tensor arguments, by name: `lmloss.agreement.describe_arguments`; `tensors` are
+    added to them) and fingerprints of the labels, of `tensors` (the op's per-token tensors,
+    `lmloss.agreement.TENSOR_FIELDS`), of the sampling parameters given per token and of `support`. The
+    checks here run before it: a rank whose argument fails one takes the error into that gather and every
+    rank raises it (`errors_raised_on_every_rank`); checks made after it on agreed tensors fail on every
+    rank alike.
 
     `support` ``[N, K]`` (a replayed kept set, `lmloss.replay`, already checked locally): the plan's
     kernels run over the K slots per rank (`shard`, `math`; the vocabulary's are `vocab`, `vocab_math`).
@@ -210,10 +206,10 @@ def make_plan(
     agree["log_kept_mass"] = int(log_kept_mass)
     agree["invariant"] = int(invariant)
     gathered = will_gather(tp_group, vocab_start)
-    options_text = ""
-    if options and gathered:  # only a gather compares them
-        options_text = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
-        agree["objective"] = _text_hash(options_text)
+    texts = {}
+    if gathered:  # only a gather compares them
+        texts["objective"] = ", ".join(f"{k}={v!r}" for k, v in sorted((options or {}).items()))
+        texts["arguments"] = describe_arguments({**(arguments or {}), **tensors})
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
@@ -224,7 +220,7 @@ def make_plan(
     stats = None if labels is None or not gathered else _validate.label_stats(labels, ignore_index)
     shard, max_local = resolve_shard(
         local_vocab, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, device=device,
-        agree=fields, label_stats=stats, tensors=tensors if gathered else None, options_text=options_text,
+        agree=fields, label_stats=stats, tensors=tensors if gathered else None, texts=texts,
         block_align=INVARIANT_BLOCK if invariant else 0,
     )  # fmt: skip
     if invariant and shard.vocab_size > INVARIANT_MAX_COLUMNS:  # agreed values: every rank raises alike
@@ -266,15 +262,6 @@ def make_plan(
         rows=selection, counting=None if counting is None else counting.reshape(-1), weight_block=weight_block,
         weight_block_rows=weight_block_rows,
     )  # fmt: skip
-
-
-def _text_hash(text: str) -> int:
-    """A signed 64-bit FNV-1a hash of `text`, the same in every process (Python's ``hash`` is salted per
-    process)."""
-    h = 0xCBF29CE484222325
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,21 +5,23 @@ Each TP rank holds columns ``[start, start + size)`` of the global vocabulary; c
 needs exactly two collectives over the TP group: a MAX of the row maxima and one SUM of a packed
 ``[tokens, k]`` block of partial sums.
 
-Before those, each call makes one rank-agreement all-gather of a fixed-size int64 vector (`resolve_shard`):
-check locally, agree globally, then raise. An argument check that fails on one rank travels in it as an
-error code (`errors_raised_on_every_rank`) and every rank raises the same `RankAgreementError`.
+Before those, each call resolves its shard (`resolve_shard`) from the rank agreement's one all-gather
+(`lmloss.agreement.gather_plan`): the shards' widths and starts are agreed there, with every other argument.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import struct
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from lmloss.agreement import (
+    RankAgreementError,
+    check_plan_tensors,
+    gather_plan,
+    will_gather,
+)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -233,147 +235,6 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
     return out
 
 
-class RankAgreementError(ValueError):
-    """Raised on every rank of a TP group when the ranks' arguments disagree, or when one rank's arguments
-    fail a check: every rank raises the same message, naming the rank(s) and the argument."""
-
-
-class RankAgreementTypeError(RankAgreementError, TypeError):
-    """`RankAgreementError` for an argument of the wrong type on some rank (also a `TypeError`)."""
-
-
-#: The agreement vector: one int64 per field, in this order, the same length for every op, dtype and
-#: option (a collective whose size depended on them would abort the job instead of raising). The
-#: `PER_RANK_FIELDS` may differ between ranks; every other field must be equal on every rank. Floats
-#: travel as their float64 bits. The label statistics (`lmloss._validate.label_stats`) come last, from
-#: the device, so that they need no host sync before the collective.
-PER_RANK_FIELDS = ("error", "V_local", "vocab_start", "label_min", "label_max")
-HOST_FIELDS = (
-    "error", "V_local", "vocab_start", "vocab_start_given", "vocab_size", "check_ranks", "op", "outputs",
-    "reduction", "dtype", "grad", "mean_group", "n_tokens", "hidden_width", "sequence_parallel", "chunk_size",
-    "chunk_budget", "weight_grad_dtype", "impl", "ignore_index", "temperature", "softcap", "label_smoothing", "z_loss",
-    # lmloss.distill: the divergence and the teacher
-    "beta", "sparse_teacher", "tail", "teacher_topk", "teacher_width", "teacher_softcap",
-    # lmloss.sampling.Sampling.agree_fields: the rollout engine's truncation; a replayed support's width
-    "top_k_max", "top_p", "min_p", "log_kept_mass", "slots",
-    # an objective's options beyond these (RL policy options, distillation softcaps...): a hash of them, and
-    # on a mismatch every rank's text of them in a second gather
-    "objective",
-    # invariant=True (docs/invariant.md): the block sums and their fixed-point combine
-    "invariant",
-)  # fmt: skip
-LABEL_FIELDS = ("label_min", "label_max", "labels_count", "labels_sum", "labels_hash")
-#: Per-token tensors that change what a rank computes, each agreed by a fingerprint (`tensor_fingerprint`):
-#: a rank that holds other values raises on every rank instead of computing its own answer.
-TENSOR_FIELDS = (
-    "mask",  # ops whose labels only say which tokens count (distillation): labels != ignore_index
-    "advantages", "old_logprobs", "ref_logprobs", "rollout_is_weights", "token_weights", "sequence_ids",
-    "pg_mask", "cov_selection",
-    "top_k", "top_p", "min_p", "support", "teacher_ids", "teacher_logprobs",
-)  # fmt: skip
-FLOAT_FIELDS = frozenset(
-    {"temperature", "softcap", "label_smoothing", "z_loss", "chunk_budget", "beta", "top_p", "min_p", "teacher_softcap"}
-)
-#: Bytes of each rank's error message in the second gather (made only when some rank failed a check).
-MESSAGE_BYTES = 512
-#: How a field is shown in a disagreement message (its codes).
-_SHOWN = {
-    "vocab_start_given": "vocab_start passed (1) or not (0)",
-    "vocab_size": "vocab_size (-1: None)",
-    "check_ranks": "LMLOSS_CHECK_RANKS (0: set to 0, 1: anything else)",
-    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation, 4: fused policy loss)",
-    "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
-    "reduction": "reduction (0: mean, 1: sum, 2: none, -1: a per-token op)",
-    "dtype": "dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",
-    "grad": "whether gradients will be needed (bits: 1 logits / hidden, 2 weight, 4 bias; grad mode and requires_grad)",
-    "mean_group": "mean_group (its size; -1: None)",
-    "chunk_size": "chunk_size (-1: None, -2: 'auto')",
-    "chunk_budget": "the memory budget in MiB (memory_budget_mib, LMLOSS_CHUNK_BUDGET_MIB or the default; -1.0: not used)",
-    "weight_grad_dtype": "weight_grad_dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",
-    "softcap": "softcap (0.0: None)",
-    "impl": "impl (0: torch, 1: triton)",
-    "top_k_max": "top_k (its largest value; 0: None)",
-    "top_p": "top_p (2.0: None, -3.0: a per-token tensor)",
-    "min_p": "min_p (-1.0: None, -3.0: a per-token tensor)",
-    "slots": "support width K (0: no support)",
-    "invariant": "invariant (0: False, 1: True)",
-}  # fmt: skip
-
-
-def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 on `t`'s device: a position-weighted sum of the bits of `t`'s elements (and its size), which
-    moves when any element or its place changes. No host sync; sums wrap around int64 the same way on
-    every rank."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        bits = flat.to(torch.int64)
-    elif flat.element_size() == 8:
-        bits = flat.contiguous().view(torch.int64)
-    else:
-        bits = flat.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()])
-        bits = bits.to(torch.int64)
-    position = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
-    mixed = (bits + 0x9E3779B9) * (position * 0x5DEECE66D + 1)
-    return mixed.sum() + flat.numel() * 0x7F4A7C15
-
-
-def tensor_stats(tensors: dict[str, torch.Tensor | None] | None, device: torch.device) -> torch.Tensor:
-    """``[len(TENSOR_FIELDS)]`` int64: each named tensor's fingerprint (0 where absent)."""
-    tensors = tensors or {}
-    unknown = set(tensors) - set(TENSOR_FIELDS)
-    assert not unknown, f"not in the agreement vector: {unknown}"
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    return torch.stack(
-        [tensor_fingerprint(tensors[k]).to(device) if tensors.get(k) is not None else zero for k in TENSOR_FIELDS]
-    )
-
-#: TP groups on which every rank agreed to LMLOSS_CHECK_RANKS=0 (see `rank_checks_enabled`).
-_UNCHECKED_GROUPS: set = set()
-
-
-def rank_checks_enabled(group: ProcessGroup | None = None) -> bool:
-    """Whether calls under `group` make the agreement gather even for even shards.
-
-    Without `group`: this process's ``LMLOSS_CHECK_RANKS`` (anything but ``"0"`` is on). Under a group the
-    variable is itself agreed: every gather carries each rank's value, and only once every rank of the
-    group has sent 0 do later calls under that group skip the gather. So a rank that sets it alone makes
-    the next call raise on every rank instead of skipping a collective the others make; and once off, a
-    group stays off for the life of the process (turning it back on would need the very gather it skips).
-    """
-    if group is not None:
-        return group not in _UNCHECKED_GROUPS
-    return os.environ.get("LMLOSS_CHECK_RANKS", "1") != "0"
-
-
-def will_gather(tp_group: ProcessGroup | None, vocab_start: object) -> bool:
-    """Whether a call under `tp_group` makes the agreement gather (`resolve_shard`): with more than one
-    rank, unless the group agreed to turn the checks off and no `vocab_start` needs tiling."""
-    if tp_group is None or dist.get_world_size(tp_group) <= 1:
-        return False
-    return vocab_start is not None or rank_checks_enabled(tp_group)
-
-
-@contextlib.contextmanager
-def errors_raised_on_every_rank(tp_group: ProcessGroup | None, vocab_start: object, like: object):
-    """Check locally, agree globally, then raise.
-
-    Wrap the argument checks an op makes before its agreement gather: a `ValueError` / `TypeError` raised
-    inside is carried into that gather as an error code (`tp_group` must already be checked), its message
-    follows in a second fixed-size gather, and every rank raises the same `RankAgreementError`. Without a
-    gather for this call (one process, or checks agreed off) the error is raised here, as it is.
-    `like`: the op's main tensor (for the collectives' device), or whatever was passed in its place.
-    """
-    try:
-        yield
-    except (TypeError, ValueError) as error:
-        if isinstance(error, RankAgreementError) or not will_gather(tp_group, vocab_start):
-            raise
-        device = _collective_device(tp_group, like)
-        ranks = _gather(tp_group, {"error": 2 if isinstance(error, TypeError) else 1}, None, device)
-        _raise_rank_errors(tp_group, ranks, error, device)
-        raise AssertionError("unreachable: _raise_rank_errors raises") from error
-
-
 def resolve_shard(
     local_size: int,
     *,
@@ -384,21 +245,22 @@ def resolve_shard(
     agree: dict[str, int | float] | None = None,
     label_stats: torch.Tensor | None = None,
     tensors: dict[str, torch.Tensor | None] | None = None,
-    options_text: str = "",
+    texts: dict[str, str] | None = None,
     block_align: int = 0,
 ) -> tuple[VocabShard, int]:
     """This rank's vocabulary shard, checked against every other rank's; returns ``(shard, max V_local)``.
 
-    Under a TP group of more than one rank this makes ONE all-gather of a fixed-size int64 vector per call
-    (`HOST_FIELDS` then `LABEL_FIELDS`): each rank's `local_size`, `vocab_start` (and whether it was
-    given), `vocab_size`, the values in `agree` (token count, chunk size, op, dtype, options: they must
-    be equal on every rank, or the ranks would issue different collectives or mix different math) and
-    `label_stats` (``[5]`` int64 on the device, `lmloss._validate.label_stats`). A rank that failed a local
-    check (`errors_raised_on_every_rank`), any disagreement, a label outside the vocabulary or different
-    labels on any rank raise the same `RankAgreementError` on every rank, naming the argument and each
-    rank's value. With the checks agreed off (`rank_checks_enabled`) even shards need no gather: then an
-    uneven shard is caught only where its own width cannot cover `vocab_size`. `block_align` (the invariant
-    mode's block, `lmloss.kernels.INVARIANT_BLOCK`; 0: none): every rank's shard must start at a multiple of it.
+    Under a TP group of more than one rank this makes the plan's ONE agreement all-gather
+    (`lmloss.agreement.gather_plan`): each rank's `local_size`, `vocab_start` (and whether it was given),
+    `vocab_size`, the values in `agree` (token count, chunk size, op, dtype, options), `texts` (the
+    objective's options and the tensor arguments' dtypes and shapes, as hashes), `label_stats` (``[4]``
+    int64 on the device, `lmloss._validate.label_stats`) and the fingerprints of `tensors`. A rank that failed
+    a local check (`lmloss.agreement.errors_raised_on_every_rank`), any disagreement, a label outside the
+    vocabulary or different labels or tensors on any rank raise the same `RankAgreementError` on every rank,
+    naming the argument and each rank's value. With the checks agreed off
+    (`lmloss.agreement.rank_checks_enabled`) even shards need no gather: then an uneven shard is caught only
+    where its own width cannot cover `vocab_size`. `block_align` (the invariant mode's block,
+    `lmloss.kernels.INVARIANT_BLOCK`; 0: none): every rank's shard must start at a multiple of it.
     """
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         if vocab_start not in (None, 0):
@@ -422,19 +284,8 @@ def resolve_shard(
     fields = dict(
         agree or {}, V_local=local_size, vocab_start_given=int(vocab_start is not None),
         vocab_start=vocab_start or 0, vocab_size=-1 if vocab_size is None else vocab_size,
-        check_ranks=int(rank_checks_enabled()),
     )  # fmt: skip
-    ranks = _gather(tp_group, fields, label_stats, device, tensor_stats(tensors, device))
-    _raise_rank_errors(tp_group, ranks, None, device)
-    if len({r["objective"] for r in ranks}) > 1:
-        texts = _gather_text(tp_group, options_text, device)
-        raise RankAgreementError(
-            "TP ranks disagree on the objective's options (every rank of tp_group must pass the same): "
-            + "; ".join(f"rank {i}: {t}" for i, t in enumerate(texts))
-        )
-    _check_agreement(ranks)
-    if all(r["check_ranks"] == 0 for r in ranks):
-        _UNCHECKED_GROUPS.add(tp_group)
+    ranks = gather_plan(tp_group, fields, device=device, label_stats=label_stats, tensors=tensors, texts=texts)
     sizes = [r["V_local"] for r in ranks]
     if any(n == 0 for n in sizes):
         raise RankAgreementError(
@@ -462,164 +313,8 @@ def resolve_shard(
             f"labels must be in [0, {shard.vocab_size}) or ignore_index; (min, max) label on the TP ranks "
             f"that have one outside: {bad}"
         )
-    fingerprints = [tuple(r[k] for k in LABEL_FIELDS) for r in ranks]
-    if len(set(fingerprints)) > 1:
-        raise RankAgreementError(
-            "TP ranks hold different labels (or a different ignore mask): every rank of tp_group must pass "
-            "the same labels. (min, max, count, sum, position hash) of the non-ignored labels per rank: "
-            f"{fingerprints}"
-        )
-    for name in TENSOR_FIELDS:
-        values = [r["tensor_" + name] for r in ranks]
-        if len(set(values)) > 1:
-            present = ["absent" if v == 0 else "given" for v in values]
-            raise RankAgreementError(
-                f"TP ranks hold different {name} (per rank: {present}; fingerprints {values}): every rank of "
-                f"tp_group must pass the same {name}, or each would compute a different result"
-            )
+    check_plan_tensors(ranks)
     return shard, max(sizes)
-
-
-def _collective_device(group: ProcessGroup, like: object) -> torch.device:
-    """Where the agreement vectors live: the op's tensor's device, or (when the argument was not a tensor)
-    CUDA for an NCCL group and the CPU otherwise."""
-    if isinstance(like, torch.Tensor):
-        return like.device
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather(
-    group, fields: dict, label_stats: torch.Tensor | None, device: torch.device, tensors: torch.Tensor | None = None
-) -> list[dict]:
-    """Every rank's agreement vector (`HOST_FIELDS`, `LABEL_FIELDS`, ``tensor_`` + `TENSOR_FIELDS`), one dict
-    per rank; fields missing from `fields` are 0. Floats travel as their float64 bits and come back as
-    floats."""
-    unknown = set(fields) - set(HOST_FIELDS)
-    assert not unknown, f"not in the agreement vector: {unknown}"
-    host = [
-        _float_bits(fields.get(k, 0.0)) if k in FLOAT_FIELDS else int(fields.get(k, 0)) for k in HOST_FIELDS
-    ]
-    if label_stats is None:
-        label_stats = torch.zeros(len(LABEL_FIELDS), dtype=torch.int64, device=device)
-    if tensors is None:
-        tensors = torch.zeros(len(TENSOR_FIELDS), dtype=torch.int64, device=device)
-    mine = torch.cat(
-        [torch.tensor(host, dtype=torch.int64, device=device), label_stats.to(device, torch.int64),
-         tensors.to(device, torch.int64)]
-    )  # fmt: skip
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    names = (*HOST_FIELDS, *LABEL_FIELDS, *("tensor_" + k for k in TENSOR_FIELDS))
-    ranks = [dict(zip(names, t.tolist())) for t in everyone]
-    for r in ranks:
-        r.update({k: struct.unpack("<d", struct.pack("<q", r[k]))[0] for k in FLOAT_FIELDS})
-    return ranks
-
-
-def _gather_text(group, text: str, device: torch.device) -> list[str]:
-    """Every rank's `text` (its first `MESSAGE_BYTES` bytes), in rank order: one fixed-size all-gather."""
-    data = text.encode()[:MESSAGE_BYTES]
-    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    buf = buf.to(device)
-    everyone = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, buf, group=group)
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="ignore") for t in everyone]
-
-
-def _float_bits(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
-
-
-def _raise_rank_errors(group, ranks: list[dict], mine: BaseException | None, device: torch.device) -> None:
-    """If any rank failed a local check, every rank gathers the messages (one more fixed-size all-gather)
-    and raises the same `RankAgreementError` naming the ranks; otherwise nothing."""
-    _raise_rejected(group, [r["error"] for r in ranks], mine, device, ranks_are="TP ranks", group_is="tp_group")
-
-
-def _raise_rejected(group, codes: list[int], mine, device, *, ranks_are: str, group_is: str) -> None:
-    """The ranks whose error code is nonzero failed a local check: every rank gathers their messages and raises
-    the same error (a `RankAgreementTypeError` where one was a `TypeError`), naming them."""
-    failed = [i for i, c in enumerate(codes) if c]
-    if not failed:
-        return
-    texts = _gather_text(group, "" if mine is None else str(mine), device)
-    messages = [texts[i] for i in failed]
-    one = ranks_are.removesuffix("ranks") + "rank"
-    if len(set(messages)) == 1:
-        who = f"{one} {failed[0]} of {len(codes)} rejected its" if len(failed) == 1 else f"{ranks_are} {failed} rejected their"
-        detail = f"{who} arguments: {messages[0]}"
-    else:
-        detail = f"{ranks_are} rejected their arguments: " + "; ".join(f"rank {i}: {m}" for i, m in zip(failed, messages))
-    kind = RankAgreementTypeError if any(codes[i] == 2 for i in failed) else RankAgreementError
-    raise kind(f"{detail} (raised on every rank of {group_is}, so that none waits in a collective)")
-
-
-def agree_over_group(
-    group: ProcessGroup,
-    what: str,
-    fields: Sequence[str],
-    values: dict[str, int | float],
-    *,
-    per_rank: Sequence[str] = (),
-    floats: Sequence[str] = (),
-    error: BaseException | None = None,
-    like: object = None,
-) -> list[dict[str, int | float]]:
-    """Every rank's `values` after ONE all-gather of a fixed-size int64 vector over `group` (the agreement of
-    a function that is not a plan's op: `lmloss.rl.token_weights`, `covariance_selection`, ...).
-
-    The vector is ``[error code, *fields]`` on every rank whatever its arguments (a field missing from
-    `values` travels as 0; `floats` travel as their float64 bits). `error`: this rank's failed check
-    (raised here after the gather, on every rank). Then, on every rank alike: if some rank failed, a
-    second fixed-size all-gather carries the messages and every rank raises the same
-    `RankAgreementError` (`RankAgreementTypeError` for a `TypeError`); otherwise every field not in
-    `per_rank` must be equal on every rank, or every rank raises naming the field and each rank's value.
-    `what` names the function for the messages; `like`: a tensor on the collectives' device.
-    """
-    device = _collective_device(group, like)
-    code = 0 if error is None else 2 if isinstance(error, TypeError) else 1
-    row = [code] + [_float_bits(values.get(k, 0.0)) if k in floats else int(values.get(k, 0)) for k in fields]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [t.tolist() for t in everyone]
-    _raise_rejected(group, [r[0] for r in rows], error, device, ranks_are=f"{what}: ranks", group_is="the group")
-    unbits = {k for k in fields if k in floats}
-    ranks = [
-        {k: struct.unpack("<d", struct.pack("<q", v))[0] if k in unbits else v for k, v in zip(fields, r[1:])}
-        for r in rows
-    ]
-    disagreement = _first_disagreement(ranks, fields, per_rank)
-    if disagreement is not None:
-        k, seen = disagreement
-        raise RankAgreementError(
-            f"{what}: the ranks of the group disagree on {k}: per rank {seen}. Every rank must pass the "
-            f"same value, or they would compute inconsistent results or issue different collectives"
-        )
-    return ranks
-
-
-def _first_disagreement(ranks: list[dict], fields, per_rank) -> tuple[str, list] | None:
-    """The first of `fields` (not in `per_rank`) whose value differs between ranks, with every rank's value."""
-    for name in fields:
-        if name not in per_rank and len(set(values := [r[name] for r in ranks])) > 1:
-            return name, values
-    return None
-
-
-def _check_agreement(ranks: list[dict]) -> None:
-    """Every field but the per-rank ones (and the labels, checked after the range) must be equal."""
-    disagreement = _first_disagreement(ranks, HOST_FIELDS, PER_RANK_FIELDS)
-    if disagreement is not None:
-        name, values = disagreement
-        raise RankAgreementError(
-            f"TP ranks disagree on {_SHOWN.get(name, name)}: per rank {values}. Every rank of tp_group must "
-            f"call the op with the same value, or they would issue different collectives or compute "
-            f"different results"
-        )
 
 
 def _check_block_starts(starts: list[int], block: int) -> None:

@@ -1,8 +1,9 @@
-"""``invariant=True`` under tensor parallelism: what each rank of test_vocab_parallel's spawned run computes
+"""``invariant=True`` under tensor parallelism: what each rank of test_vocab_parallel's run computes
 (its tests compare it with one process, `one_process`). TP=4 (one group) and TP=2 (two groups, with other
 chunk sizes), each rank on one intra-op thread; one process on the test process's own thread count. The
 cases: from logits (log-probs, entropy, per-token cross-entropy with label smoothing and z-loss, top-p and its
-kept mass, a replayed support, both implementations), fused (bias, temperature, bf16, sequence parallelism),
+kept mass, top-p without the entropy, a replayed support, both implementations), fused (bias, temperature, bf16,
+top-p without the entropy, sequence parallelism),
 each rank's columns of a row's logits gradient. The vocabulary is padded as Megatron pads it (1000 ids in 1024
 columns: shards of 512 and 256, multiples of 128).
 """
@@ -62,6 +63,9 @@ def cases(d, rank, tp, group, chunk):
     out["bf16"] = lmloss.token_logprobs(x.bfloat16(), d["labels"], return_entropy=True, **common)
     out["top_p"] = lmloss.token_logprobs(x, d["top_labels"], top_p=0.85, return_entropy=True,
                                          return_log_kept_mass=True, **common)  # fmt: skip
+    # without the entropy the exact kept mass of the threshold search is the row's mass: one rank adds it (the
+    # group's first), the others add 0; the same bits as with the entropy (and as one process)
+    out["top_p_alone"] = lmloss.token_logprobs(x, d["top_labels"], top_p=0.85, **common)
     # vocab_size 700: under TP=4 the last shard (columns 768..1023) is padding only
     small = dict(common, vocab_size=700)
     out["padding_shard"] = (
@@ -73,6 +77,8 @@ def cases(d, rank, tp, group, chunk):
     w, b = d["weight"][rank * (COLS // tp) : (rank + 1) * (COLS // tp)], cols(d["bias"], rank, tp)
     out["fused"] = lmloss.linear_token_logprobs(d["hidden"], w, d["labels"], bias=b, return_entropy=True,
                                                 temperature=T, **common)  # fmt: skip
+    out["fused_top_p_alone"] = lmloss.linear_token_logprobs(d["hidden"], w, d["top_labels"], bias=b, top_p=0.85,
+                                                            temperature=T, **common)  # fmt: skip
     out["fused_bf16"] = lmloss.linear_cross_entropy(d["hidden"].bfloat16(), w.bfloat16(), d["labels"],
                                                     reduction="none", **common)  # fmt: skip
     if tp > 1:  # sequence parallelism: this rank's block of tokens; the op gathers them over the group
@@ -88,7 +94,7 @@ def cases(d, rank, tp, group, chunk):
 
 
 def rank_results(rank: int, world: int, counter) -> dict:
-    """This rank's results (test_vocab_parallel's spawned run, 4 ranks): TP=4 (one group) and TP=2 (two
+    """This rank's results (test_vocab_parallel's run, 4 ranks): TP=4 (one group) and TP=2 (two
     groups, other chunk sizes); the collectives per chunk, default and invariant, with their bytes
     (`counter`: that module's collective counter); the misaligned shard's error."""
     assert world == 4
@@ -114,7 +120,7 @@ def rank_results(rank: int, world: int, counter) -> dict:
     try:  # shards of 100 columns: rank 1's starts at column 100, inside a block
         lmloss.token_logprobs(torch.zeros(2, 100), torch.zeros(2, dtype=torch.long), tp_group=tp4, invariant=True)
         out["misaligned"] = None
-    except lmloss.vocab_parallel.RankAgreementError as error:
+    except lmloss.agreement.RankAgreementError as error:
         out["misaligned"] = str(error)
     return out
 

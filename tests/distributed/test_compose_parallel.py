@@ -1,4 +1,4 @@
-"""The composed options of tests/test_compose.py under tensor parallelism: 2 gloo ranks, one spawned run,
+"""The composed options of tests/test_compose.py under tensor parallelism: 2 gloo ranks, one run,
 the vocabulary sharded over TP (even halves), checked against the one-process float64 math of the whole
 vocabulary written here:
 

@@ -1,6 +1,6 @@
 """CP-local loss, metrics and batch broadcast on 4 gloo ranks, against single-process references.
 
-One spawned run builds every layout from the same 4 ranks (CP=4, CP=2, TP2 x CP2, DP2 x CP2, and a
+One run builds every layout from the same 4 ranks (CP=4, CP=2, TP2 x CP2, DP2 x CP2, and a
 PP2 x TP2 broadcast) and returns what each rank computed; the tests below compare that with plain PyTorch
 on the full batch. References never call lmloss's loss code.
 """

@@ -2,7 +2,7 @@
 
 The LM-head weight [36, H] and bias [36] are vocab-sharded over a TP group; the true vocabulary is smaller
 than the 36 columns (padding on the last shard), and padded weight rows are made large so that counting
-them would show. Configurations, all in the one spawned run:
+them would show. Configurations, all in the one run:
 
   tp2_even      two TP=2 groups {0,1} and {2,3}, 18 columns each, vocab_size=33
   tp4_even      TP=4, 9 columns each, vocab_size=31
@@ -190,7 +190,7 @@ def _rank_fn(rank: int, world: int):
 @pytest.fixture(scope="module")
 def ranks():
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the references below are tiny; the spawned ranks set their own
+    torch.set_num_threads(1)  # the references below are tiny; the ranks set their own
     yield run_ranks(_rank_fn, WORLD)
     torch.set_num_threads(before)
 

@@ -1,4 +1,4 @@
-"""The integrations on 2 gloo ranks, all in one spawned run (one process-group start):
+"""The integrations on 2 gloo ranks, all in one run (one process-group start):
 
   megatron - Megatron-core's parallel state at TP=2: the drop-in `vocab_parallel_cross_entropy` against
              Megatron's own op (no smoothing) and float64 ``F.cross_entropy`` (with smoothing), and the
@@ -9,26 +9,21 @@
              `token_logprobs` against the unpatched single-process model.
 The references are computed in the test process from the same inputs.
 
-The ranks are forked, not spawned: importing megatron-core (it pulls in torch.compile's machinery) and
-transformers costs seconds per process, and forked ranks inherit the test process's imports.
+The ranks are forked (`dist_utils.run_ranks`): importing megatron-core (it pulls in torch.compile's machinery)
+and transformers costs seconds per process, and forked ranks inherit the test process's imports.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_utils import _entry, run_ranks
-
-from lmloss.distributed import free_port
+from dist_utils import run_ranks
 
 WORLD = 2
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -169,25 +164,6 @@ def _fsdp_inputs():
     return ids, mask, labels, count
 
 
-def _run_forked_ranks(fn, world_size, *args):
-    """`dist_utils.run_ranks`, with forked instead of spawned processes (they inherit the imports).
-
-    `_entry` sets one intra-op thread first: a forked child must not enter the parent's OpenMP pool."""
-    # spawn where a forked copy would break: this process's live gloo state; or, where CUDA is available,
-    # autograd's device threads, which a backward in this process starts and a forked child cannot use
-    # ("Unable to handle autograd's threading in combination with fork-based multiprocessing", on an H200)
-    if dist.is_initialized() or torch.cuda.is_available():
-        return run_ranks(fn, world_size, *args)
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=True,
-            start_method="fork",
-        )  # fmt: skip
-        return [
-            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
-        ]
-
-
 @pytest.fixture(scope="module")
 def results():
     if MEGATRON_MISSING and TRANSFORMERS_MISSING:
@@ -195,7 +171,7 @@ def results():
     models = None
     if TRANSFORMERS_MISSING is None:
         models = {"untied": _tiny_llama(False), "tied": _tiny_llama(True)}
-    per_rank = _run_forked_ranks(_all_cases, WORLD, models, *_fsdp_inputs())
+    per_rank = run_ranks(_all_cases, WORLD, models, *_fsdp_inputs())
     return models, per_rank
 
 

@@ -1,9 +1,9 @@
-"""``invariant=True`` under TP=8 (docs/invariant.md): 8 gloo ranks, one spawned run, every case of
+"""``invariant=True`` under TP=8 (docs/invariant.md): 8 gloo ranks, one run, every case of
 tests/distributed/invariant_support.py (logits and fused, entropy, label smoothing, bf16, top-p and its kept
 mass, a replayed support, a padding-only shard, sequence parallelism) gives every token the same bits as one
 process. Shards of 128 columns, the invariant block: the narrowest TP degree the mode takes at this width
 (Megatron pads the vocabulary so that every shard is a whole number of blocks). TP 1 / 2 / 4 are checked in
-test_vocab_parallel's spawned run.
+test_vocab_parallel's run.
 """
 
 from __future__ import annotations

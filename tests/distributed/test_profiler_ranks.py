@@ -1,6 +1,6 @@
 """MemoryProfiler on 2 gloo ranks (CPU): one report per rank, named by its global rank and coordinates.
 
-One spawned run hosts both checks: every rank profiles step 1 of steps 0..2 into ``all/`` with its data
+One run hosts both checks: every rank profiles step 1 of steps 0..2 into ``all/`` with its data
 parallel coordinate from a dict, and step 1 into ``only1/`` under ``ranks=(1,)``.
 """
 

@@ -1,8 +1,8 @@
 """TP ranks that disagree raise the same ValueError on every rank; uneven shards compute the right answer.
 
-ONE spawned run of 2 gloo ranks hosts every case (a process-group start costs seconds). The run has a
-deadline and the process group a short collective timeout, so a regression that makes the ranks hang
-fails this test within seconds instead of blocking for gloo's default 30 minutes.
+ONE run of 2 gloo ranks hosts every case (`dist_utils.run_ranks`). The run has a deadline and the process
+group a short collective timeout, so a regression that makes the ranks hang fails this test within seconds
+instead of blocking for gloo's default 30 minutes.
 
 disagree  - per op (token_logprobs, token_entropy, cross_entropy and the fused ops, as each case applies)
             and per case: the ranks call with different token counts, chunk sizes, uneven shards without
@@ -27,25 +27,23 @@ from __future__ import annotations
 
 import os
 
-# the Triton kernels must run on the CPU interpreter in the spawned ranks too: triton reads this variable
-# when it is first imported, and the spawned ranks import this module (and lmloss) before running a case
+# the Triton kernels must run on the CPU interpreter in the ranks too: triton reads this variable
+# when it is first imported, and spawned ranks (where they must be spawned) import this module first
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
 import datetime
-import multiprocessing
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_ranks
 
 import lmloss
-from lmloss.distributed import free_port
 
 WORLD = 2
-RUN_DEADLINE_S = 120  # the whole spawned run; it takes ~15 s when nothing hangs
+RUN_DEADLINE_S = 120  # the whole run; it takes ~15 s when nothing hangs
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
 N, H, V = 6, 8, 32  # tokens, hidden width, global vocabulary columns
 SPLIT = (20, 12)  # uneven shards: rank 0 holds columns [0, 20), rank 1 [20, 32)
@@ -56,46 +54,9 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the harness: one spawned run with a deadline
-
-
-def _entry(rank: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        torch.save(_all_cases(rank), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_with_deadline() -> list[dict]:
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, port, out_dir)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=RUN_DEADLINE_S)
-        for p in procs:
-            p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        assert not hung, f"ranks {hung} still running after {RUN_DEADLINE_S} s: a collective hangs"
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * WORLD, f"a rank died (exit codes {codes})"
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return _run_with_deadline()
+    return run_ranks(_all_cases, WORLD, deadline_s=RUN_DEADLINE_S, timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -119,7 +80,10 @@ def _data(seed: int, n: int, v_local: int, h: int = H):
     others = order[order != d["labels"].clamp(min=0)[:, None]].view(n, 15)
     d["support"] = torch.cat([d["labels"].clamp(min=0)[:, None], others[:, :3]], dim=1)  # distinct ids
     d["topk_ids"] = d["support"].clone()
+    d["topk_ids"][0] = torch.tensor([2, 5, 9, 12])  # distinct after the patterned change of _patterned_ids
     d["topk_logprobs"] = torch.full((n, 4), -2.0)
+    g = _gen(101)  # the RL reference head: the same on every rank
+    d.update(ref_hidden=torch.randn(n, 4, generator=g), ref_weight=torch.randn(v_local, 4, generator=g))
     return d
 
 
@@ -532,6 +496,106 @@ DISAGREEMENTS.update({
                         lambda r: (_data(0, N, 16), dict(softcap=_per_rank(r, 2.0, None))), ["softcap"]),
 })
 
+# The agreement's fingerprints are non-linear (issue #35): a change of +d, -d, -d, +d at four places (which a
+# position-weighted sum of the values cannot see) raises on every rank like any other difference. And every
+# per-token tensor, the sequence boundaries, the reference head's dtype and width, clip_cov's random draw and
+# the invariant flag are agreed.
+PATTERN = torch.tensor([1, -1, -1, 1, 0, 0])
+
+
+def _patterned_bits(t: torch.Tensor, d: int = 1) -> torch.Tensor:
+    """`t` (float32 / float64) with its elements' bits changed by +d, -d, -d, +d at its first four places."""
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype]
+    return (t.view(ints) + (PATTERN * d).to(ints)).view(t.dtype)
+
+
+def _labelled(r, labels):
+    return _with(_data(0, N, 16), labels=lambda _: labels), {}
+
+
+def _mask(*bits):
+    return torch.tensor(bits, dtype=torch.bool)
+
+
+BASE_LABELS = torch.tensor([5, 9, 9, 5, 9, 2])  # the same min and max after the pattern
+PG_MASK = (_mask(0, 1, 1, 0, 1, 1), _mask(1, 0, 0, 1, 1, 1))  # the bits: -1, +1, +1, -1 on rank 1
+TOP_K = (torch.tensor([3, 3, 3, 3, 5, 5]), torch.tensor([3, 3, 3, 3, 5, 5]) + PATTERN)  # the same largest top_k
+TOP_P = torch.linspace(0.5, 0.9, N, dtype=torch.float64)
+SEQUENCE_IDS = torch.tensor([0, 1, 1, 0, 2, 2])
+
+
+def _patterned_ids(t):
+    t = t.clone()
+    t[0] += PATTERN[:4]  # [2, 5, 9, 12] -> [3, 4, 8, 13]
+    return t
+
+
+def _reference_head(width: int, dtype: torch.dtype):
+    def make(r):
+        d = _data(0, N, 16)
+        g = _gen(102)
+        ref_hidden, ref_weight = torch.randn(N, width, generator=g), torch.randn(16, width, generator=g)
+        return d, dict(kl_loss_type="full", kl_loss_coef=0.1, ref_hidden=ref_hidden.to(dtype), ref_weight=ref_weight.to(dtype))
+
+    return make
+
+
+def _per_rank_kw(**per_rank):
+    """Each keyword's ``(rank 0's, rank 1's)`` value, for any op."""
+    return lambda r: (_data(0, N, 16), {k: _per_rank(r, *v) for k, v in per_rank.items()})
+
+
+POLICY = ("linear_policy_loss",)
+DISAGREEMENTS.update({
+    # 1. the sequence boundaries of the sequence objectives
+    "cu_seqlens_on_one_rank": (POLICY, _policy(loss_mode=("gspo", "gspo"), cu_seqlens=(torch.tensor([0, 3, N]), None)),
+                               ["TP rank 1 of 2", "needs cu_seqlens"]),  # fmt: skip
+    "cu_seqlens": (POLICY, _policy(loss_mode=("geo_mean", "geo_mean"),
+                                   cu_seqlens=(torch.tensor([0, 3, N]), torch.tensor([0, 2, N]))),
+                   ["different cu_seqlens"]),  # fmt: skip
+    "sequence_ids_patterned": (POLICY, _policy(loss_mode=("gspo", "gspo"),
+                                               sequence_ids=(SEQUENCE_IDS, SEQUENCE_IDS + PATTERN)),
+                               ["different sequence_ids"]),  # fmt: skip
+    "cp_group_on_one_rank": (POLICY, _policy(cp_group=("<group>", None)), ["objective's options", "cp_group=2"]),
+    # 3. the full KL's reference head
+    "reference_head_dtype": (POLICY, lambda r: _reference_head(4, _per_rank(r, torch.float32, torch.bfloat16))(r),
+                             ["dtypes and shapes", "ref_hidden: bfloat16 [6, 4]", "ref_weight: float32 [V_local, 4]"]),
+    "reference_head_width": (POLICY, lambda r: _reference_head(_per_rank(r, 4, 5), torch.float32)(r),
+                             ["dtypes and shapes", "ref_weight: float32 [V_local, 5]"]),
+    # 4. patterned differences
+    "labels_patterned": (LABELLED + ("linear_token_logprobs",),
+                         lambda r: _labelled(r, _per_rank(r, BASE_LABELS, BASE_LABELS + PATTERN)), ["different labels"]),
+    "pg_mask_patterned": (POLICY, _policy(pg_mask=PG_MASK), ["different pg_mask"]),
+    "advantages_patterned": (POLICY, _with_tensor("adv", _patterned_bits), ["different advantages"]),
+    "old_logprobs_patterned": (POLICY, _with_tensor("old", lambda t: _patterned_bits(t, 3)), ["different old_logprobs"]),
+    "per_token_top_k_patterned": (("token_logprobs", "linear_policy_loss"), _per_rank_kw(top_k=TOP_K),
+                                  ["different top_k"]),
+    "per_token_top_p_patterned": (("token_logprobs",), _per_rank_kw(top_p=(TOP_P, _patterned_bits(TOP_P, 1 << 30))),
+                                  ["different top_p"]),
+    "teacher_ids_patterned": (("distillation_loss",), _with_tensor("topk_ids", _patterned_ids, teacher_topk="@topk"),
+                              ["different teacher_ids"]),  # fmt: skip
+    # 5. clip_cov's random draw without a cov_selection
+    "clip_cov_generators": (POLICY, _policy(loss_mode=("clip_cov", "clip_cov"),
+                                            generator=(torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))),
+                            ["different generator"]),  # fmt: skip
+    # every per-token tensor, a tensor on one rank only, the off-policy inputs' dtype, the invariant flag
+    "cov_selection": (POLICY, _policy(loss_mode=("kl_cov", "kl_cov"), cov_selection=(_mask(1, 0, 0, 0, 0, 0),
+                                                                                      _mask(0, 1, 0, 0, 0, 0))),
+                      ["different cov_selection"]),  # fmt: skip
+    "ref_logprobs": (POLICY, _policy(kl_loss_coef=(0.1, 0.1), ref_logprobs=(torch.zeros(N), torch.full((N,), -0.5))),
+                     ["different ref_logprobs"]),  # fmt: skip
+    "rollout_is_weights": (POLICY, _policy(rollout_is_weights=(torch.ones(N), torch.full((N,), 1.5))),
+                           ["different rollout_is_weights"]),
+    "token_weights": (POLICY, _policy(token_weights=(torch.full((N,), 1 / 6), torch.full((N,), 1 / 5))),
+                      ["different token_weights"]),
+    "rollout_is_weights_on_one_rank": (POLICY, _policy(rollout_is_weights=(torch.ones(N), None)),
+                                       ["dtypes and shapes", "rank 0: rollout_is_weights: float32 [6]",
+                                        "rank 1: rollout_is_weights: None"]),  # fmt: skip
+    "old_logprobs_dtype": (POLICY, _with_tensor("old", lambda t: t.double()),
+                           ["dtypes and shapes", "old_logprobs: float64 [6]"]),
+    "invariant": (ALL, _per_rank_kw(invariant=(False, True)), ["invariant", "[0, 1]"]),
+})
+
 #: cases whose agreed error is also a TypeError (a rank's argument had the wrong type)
 TYPE_ERRORS = {
     "float_labels_on_one_rank",
@@ -556,8 +620,7 @@ def _disagreements(rank: int, group) -> dict:
         for op in ops:
             tag += 1
             data, kw = make(rank)
-            if kw.get("mean_group") == "<group>":
-                kw = dict(kw, mean_group=group)
+            kw = {k: group if isinstance(v, str) and v == "<group>" else v for k, v in kw.items()}
             try:
                 _call(op, data, dict(kw, tp_group=group))
                 error = None
@@ -706,10 +769,101 @@ def _error_of(fn) -> tuple[str, str] | None:
     return None
 
 
-def _all_cases(rank: int) -> dict:
+# ----------------------------------------------------------------------------------------------------------
+# the group as a CP group: policy_loss's agreement over cp_group, and the rollout functions under CP / DP
+
+CP_LENGTHS = (4, 3, 3)  # three packed sequences; rank 1 holds no token of the last one
+CP_POSITIONS = (torch.tensor([0, 1, 4, 5, 7, 8, 9]), torch.tensor([2, 3, 6]))
+DP_LENGTHS = ((3, 2, 4), (2, 5))  # whole sequences per DP rank: 3 on rank 0, 2 on rank 1
+CP_ERRORS = {  # name -> (rank 0's, rank 1's) policy_loss options, words every rank's message must contain
+    "gspo_vs_vanilla": ((dict(loss_mode="gspo"), dict(loss_mode="vanilla")), ["policy_loss over cp_group", "loss_mode="]),
+    "gspo_vs_geo_mean": ((dict(loss_mode="gspo"), dict(loss_mode="geo_mean")), ["policy_loss over cp_group", "geo_mean"]),
+    "clip_ratio": ((dict(clip_ratio=0.2), dict(clip_ratio=0.02)), ["policy_loss over cp_group", "clip_ratio_low=0.02"]),
+    "bad_clip_ratio_on_one_rank": ((dict(clip_ratio=0.2), dict(clip_ratio=-1.0)), ["rank 1 of 2 rejected", "clip_ratio"]),
+    "is_weights_on_one_rank": ((dict(loss_mode="geo_mean", rollout_is_weights="ones"), dict(loss_mode="geo_mean")),
+                               ["policy_loss over cp_group", "given"]),
+}  # fmt: skip
+
+
+def cp_batch() -> dict:
+    """The global packed batch (float64) of the CP cases, and the boundaries of its sequences."""
+    g = _gen(300)
+    n = sum(CP_LENGTHS)
+    d = dict(lp=-torch.rand(n, generator=g, dtype=torch.float64) * 2 - 0.2,
+             adv=torch.randn(n, generator=g, dtype=torch.float64), mask=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    d["old"] = d["lp"] + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+    d["old"][4:7] = d["lp"][4:7] - 0.5  # sequence 1 far off-policy: its ratio is clipped
+    d["mask"][5] = False
+    d["seq"] = torch.repeat_interleave(torch.arange(len(CP_LENGTHS)), torch.tensor(CP_LENGTHS))
+    d["weights"] = d["mask"] / d["mask"].sum()  # token-mean over the global batch
+    d["rollout"] = d["old"] - 0.05  # rollout_rs: k2 = 0.00125 per token ...
+    d["rollout"][1] = d["old"][1] - 1.0  # ... but k2 = 0.5 at a token of sequence 0 on rank 0
+    d["rollout"][6] = d["old"][6] + 1.0  # ... and of sequence 1 on rank 1
+    return d
+
+
+def _cp_errors(rank: int, group) -> dict:
+    d, pos = cp_batch(), CP_POSITIONS[rank]
+    out = {}
+    for tag, (name, (options, _)) in enumerate(CP_ERRORS.items()):
+        kw = dict(options[rank])
+        if kw.get("rollout_is_weights") == "ones":
+            kw["rollout_is_weights"] = torch.ones(len(pos), dtype=torch.float64)
+        out[name] = _error_of(lambda kw=kw: lmloss.rl.policy_loss(
+            d["lp"][pos], d["old"][pos], d["adv"][pos], d["mask"][pos], sequence_ids=d["seq"][pos], cp_group=group,
+            token_weights=d["weights"][pos], **kw,
+        ))  # fmt: skip
+        out[name, "in_step"] = _in_step(rank, 6000 + tag)
+    return out
+
+
+def _policy_cp(rank: int, group) -> dict:
+    """gspo over a CP split in which rank 1 holds no token of the last sequence (sequence_ids only: each rank
+    counts its own sequences); the rollout functions' agreement and reductions."""
+    d, pos = cp_batch(), CP_POSITIONS[rank]
+    out = {"errors": _cp_errors(rank, group)}
+    lp = d["lp"][pos].clone().requires_grad_()
+    loss, _ = lmloss.rl.policy_loss(lp, d["old"][pos], d["adv"][pos], d["mask"][pos], loss_mode="gspo",
+                                    sequence_ids=d["seq"][pos], cp_group=group, token_weights=d["weights"][pos])  # fmt: skip
+    loss.backward()
+    out["gspo"] = (loss.detach(), lp.grad)
+    out["seq_max"] = lmloss.rl.rejection_mask(d["old"][pos], d["rollout"][pos], d["mask"][pos], rollout_rs="seq_max_k2",
+                                              rollout_rs_threshold=0.1, sequence_ids=d["seq"][pos], cp_group=group)  # fmt: skip
+    seq = d["seq"][pos]
+    out["off_policy"] = lmloss.rl.off_policy_sequence_mask(d["lp"][pos], d["rollout"][pos], d["adv"][pos], d["mask"][pos],
+                                                          threshold=0.0, sequence_ids=seq, cp_group=group)  # fmt: skip
+    out["sequence_is_weights"] = lmloss.rl.masked_is_weights(d["old"][pos], d["rollout"][pos], d["mask"][pos],
+                                                             level="sequence", sequence_ids=seq, cp_group=group,
+                                                             lower=0.5, upper=3.0)  # fmt: skip
+    out["normalize_under_cp_without_group"] = _error_of(lambda: lmloss.rl.truncated_is_weights(
+        d["old"][pos], d["rollout"][pos], d["mask"][pos], level="sequence", sequence_ids=d["seq"][pos], cp_group=group,
+        batch_normalize=True,
+    ))  # fmt: skip
+    out["normalize_under_cp_without_group", "in_step"] = _in_step(rank, 6100)
+    # DP: each rank its whole sequences, 3 and 2 of them, normalized over the group
+    b = dp_batch()
+    start = sum(DP_LENGTHS[0]) if rank else 0
+    span = slice(start, start + sum(DP_LENGTHS[rank]))
+    cu = torch.tensor([0, *torch.tensor(DP_LENGTHS[rank]).cumsum(0).tolist()])
+    out["dp_normalized"] = lmloss.rl.truncated_is_weights(b["old"][span], b["rollout"][span], b["mask"][span],
+                                                          level="sequence", cu_seqlens=cu, batch_normalize=True,
+                                                          group=group, cap=1.5)  # fmt: skip
+    return out
+
+
+def dp_batch() -> dict:
+    g = _gen(301)
+    n = sum(map(sum, DP_LENGTHS))
+    old = -torch.rand(n, generator=g, dtype=torch.float64) * 2
+    mask = torch.rand(n, generator=g) > 0.2
+    return dict(old=old, rollout=old + 0.3 * torch.randn(n, generator=g, dtype=torch.float64), mask=mask)
+
+
+def _all_cases(rank: int, world: int) -> dict:
     group = dist.new_group(list(range(WORLD)))
     return dict(
-        disagree=_disagreements(rank, group), positive=_positive(rank, group), checks_off=_checks_off(rank)
+        disagree=_disagreements(rank, group), positive=_positive(rank, group), checks_off=_checks_off(rank),
+        cp=_policy_cp(rank, group),
     )
 
 
@@ -814,3 +968,94 @@ def test_checks_off_uneven_shards_raise_where_the_width_cannot_cover_vocab_size_
     kind, message = ranks[0]["checks_off"]["uneven"]  # 2 x 20 >= 32: rank 0 cannot tell, and waits
     assert "timed out" in message.lower(), (kind, message)
     assert all(ranks[r]["checks_off"]["uneven_in_step"] for r in range(WORLD))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the CP cases: the same error on every rank, or the one-process result (plain float64 math written out)
+
+
+@pytest.mark.parametrize("name", list(CP_ERRORS))
+def test_policy_loss_ranks_of_a_cp_group_that_disagree_all_raise_the_same_error(ranks, name):
+    errors = [ranks[r]["cp"]["errors"][name] for r in range(WORLD)]
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} computed instead of raising"
+        kind, message = error
+        assert kind in ("RankAgreementError", "RankAgreementTypeError"), (rank, kind, message)
+        for word in CP_ERRORS[name][1]:
+            assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+    assert errors[0] == errors[1]
+    assert all(ranks[r]["cp"]["errors"][name, "in_step"] for r in range(WORLD))
+
+
+def test_gspo_over_a_cp_split_whose_ranks_hold_different_sequence_counts_is_the_one_process_loss(ranks):
+    d = cp_batch()
+    lp = d["lp"].clone().requires_grad_()
+    m = d["mask"].double()
+    lengths = torch.zeros(len(CP_LENGTHS), dtype=torch.float64).index_add(0, d["seq"], m)
+    seq_kl = torch.zeros(len(CP_LENGTHS), dtype=torch.float64).index_add(0, d["seq"], (lp - d["old"]).detach() * m)
+    seq_kl = seq_kl / lengths.clamp(min=1)
+    r = torch.exp((lp - lp.detach() + seq_kl[d["seq"]]).clamp(max=10.0))
+    pg = torch.maximum(-d["adv"] * r, -d["adv"] * r.clamp(0.8, 1.2))
+    want = (d["weights"] * pg * m).sum()
+    want.backward()
+    assert ranks[0]["cp"]["gspo"] is not None and CP_POSITIONS[1].max() < 7  # rank 1: none of sequence 2
+    total = sum(ranks[r]["cp"]["gspo"][0] for r in range(WORLD))
+    torch.testing.assert_close(total, want.detach(), rtol=1e-12, atol=1e-14)
+    grad = torch.zeros_like(lp)
+    for r in range(WORLD):
+        grad[CP_POSITIONS[r]] = ranks[r]["cp"]["gspo"][1]
+    torch.testing.assert_close(grad, lp.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_rejection_seq_max_under_cp_is_the_max_over_the_ranks_pieces(ranks):
+    d = cp_batch()
+    k2 = 0.5 * (d["old"] - d["rollout"]) ** 2
+    seq_max = torch.full((len(CP_LENGTHS),), 0.0, dtype=torch.float64)
+    seq_max = seq_max.scatter_reduce(0, d["seq"], torch.where(d["mask"], k2, 0.0), "amax")
+    want = d["mask"] & (seq_max <= 0.1)[d["seq"]]
+    assert want.tolist() == [False] * 7 + [True] * 3  # sequences 0 and 1 rejected: their large k2 on rank 0, rank 1
+    for r in range(WORLD):
+        assert ranks[r]["cp"]["seq_max"].tolist() == want[CP_POSITIONS[r]].tolist()
+
+
+def test_sequence_statistics_under_cp_sum_over_the_groups_sequences_when_a_rank_holds_fewer(ranks):
+    """TRL's off-policy mask and sequence-level MIS weights on the split whose rank 1 holds no token of the last
+    sequence: each sequence's sums over both ranks' pieces, plain math."""
+    d = cp_batch()
+    m = d["mask"].double()
+    n_seq = len(CP_LENGTHS)
+
+    def per_sequence(values):
+        return torch.zeros(n_seq, dtype=torch.float64).index_add(0, d["seq"], values * m)
+
+    mean_kl = per_sequence(d["rollout"] - d["lp"]) / per_sequence(torch.ones_like(m)).clamp(min=1)
+    keep = d["mask"] & ((d["adv"] >= 0) | (mean_kl <= 0.0)[d["seq"]])
+    ratio = per_sequence(d["old"] - d["rollout"]).clamp(-20, 20).exp()[d["seq"]]
+    weights = torch.where(d["mask"] & (ratio >= 0.5) & (ratio <= 3.0), ratio, 0.0)
+    assert 0 < keep.sum() < d["mask"].sum() and 0 < (weights > 0).sum() < d["mask"].sum()
+    for r in range(WORLD):
+        assert ranks[r]["cp"]["off_policy"].tolist() == keep[CP_POSITIONS[r]].tolist()
+        torch.testing.assert_close(ranks[r]["cp"]["sequence_is_weights"], weights[CP_POSITIONS[r]], rtol=1e-12, atol=0)
+
+
+def test_batch_normalize_under_cp_needs_group_on_every_rank(ranks):
+    errors = [ranks[r]["cp"]["normalize_under_cp_without_group"] for r in range(WORLD)]
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert "batch_normalize=True under cp_group needs group=" in errors[0][1]
+    assert all(ranks[r]["cp"]["normalize_under_cp_without_group", "in_step"] for r in range(WORLD))
+
+
+def test_batch_normalized_sequence_weights_over_dp_ranks_holding_different_sequence_counts(ranks):
+    b = dp_batch()
+    lengths = [n for rank in DP_LENGTHS for n in rank]
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    m = b["mask"].double()
+    log_ratio = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seq, (b["old"] - b["rollout"]) * m)
+    w_seq = log_ratio.clamp(-20, 20).exp().clamp(max=1.5)
+    valid = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seq, m)
+    # verl's batch mean: over the sequences with a valid token, each its weight's mean over its valid tokens
+    per_seq = w_seq * valid / (valid + 1e-8)
+    mean = per_seq[valid > 0].sum() / (valid > 0).sum()
+    want = torch.where(b["mask"], w_seq[seq] / mean, 0.0)
+    got = torch.cat([ranks[r]["cp"]["dp_normalized"] for r in range(WORLD)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

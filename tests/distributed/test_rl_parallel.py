@@ -1,4 +1,4 @@
-"""lmloss.rl under data, context and tensor parallelism: 4 gloo ranks, one spawned run, float64.
+"""lmloss.rl under data, context and tensor parallelism: 4 gloo ranks, one run, float64.
 
 One global batch of 8 packed sequences (64 tokens; lengths divisible by 4 for the zigzag CP=2 layout;
 prompt groups that span DP ranks). Each configuration splits it and every rank returns its loss *share*,

@@ -1,7 +1,7 @@
 """Sampling truncation (top-k / top-p / min-p) and replay under tensor (vocab) parallelism: TP=2 gloo, one spawn.
 
 The thresholds are global: top-k from every rank's candidates, top-p from histograms and candidates
-combined over the group. Configurations, all in the one spawned run, each checked against a float64
+combined over the group. Configurations, all in the one run, each checked against a float64
 reference over the unsharded logits (vLLM's order, written out below):
 
   even     V=200 as 100 + 100 columns; in 4 rows every kept token sits on rank 0 (rank 1 keeps nothing)

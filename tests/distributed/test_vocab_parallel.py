@@ -1,6 +1,6 @@
-"""The logits ops under tensor (vocab) parallelism, on 4 gloo ranks in one spawned run.
+"""The logits ops under tensor (vocab) parallelism, on 4 gloo ranks in one run.
 
-One spawned run (world size 4) hosts every check, each in its own sub-group:
+One run (world size 4) hosts every check, each in its own sub-group:
   even   - TP=4, even shards (vocab_start=None): values, every rank's gradient slice, collective counts
   uneven - two TP=2 groups with uneven shards and explicit vocab_start (one of them out of rank order)
   pad    - TP=4 with embedding padding: on the last rank only, and a whole shard of padding

@@ -24,6 +24,20 @@ from lmloss.kernels.torch_ref import TorchKernels, serial_row_reductions, transf
 _FP32_MIN = torch.finfo(torch.float32).min
 
 
+def _infinite_rows(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``[c]`` bool: the rows where a column has probability > 0 under ``p`` and exactly 0 under ``q`` (``log q
+    = -inf``): there ``KL(p || q)`` is +inf, as plain PyTorch's ``sum p (log p - log q)`` gives it (the floored
+    log-probs would give a large finite number). Only the rows with a -inf are looked at closely."""
+    if torch.compiler.is_compiling():
+        return (torch.isneginf(log_q) & (p > 0)).any(-1)
+    some = torch.isneginf(log_q.amin(-1)) if log_q.shape[1] else log_q.new_zeros(log_q.shape[0], dtype=torch.bool)
+    rows = torch.zeros_like(some)
+    if bool(some.any()):
+        idx = some.nonzero()[:, 0]
+        rows[idx] = (torch.isneginf(log_q[idx]) & (p[idx] > 0)).any(-1)
+    return rows
+
+
 class TorchDistillKernels(TorchKernels):
     """The PyTorch kernels of one pass: the single-distribution contract (`TorchKernels`) and
     `divergence_partials` / `divergence_grad_` / `divergence_partials_then_grad_`. Both share the pass's
@@ -76,6 +90,9 @@ class TorchDistillKernels(TorchKernels):
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         transform_into(work, xv, math_, aliased=in_out and out is x, shift=lse)  # log p
         p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))
+        # a column without the policy's mass (x = -inf, p = 0) adds 0 (-inf - z, or -inf - -inf = NaN, times 0
+        # would be NaN); one without the reference's (z = -inf) where p > 0 adds +inf, as plain PyTorch gives
+        q.nan_to_num_(nan=0.0, posinf=math.inf, neginf=_FP32_MIN)
         with serial_row_reductions(rows, x.device):
             sums = q.mul_(p).sum(dim=-1)
         coef, z_coef, entropy = finish(sums)
@@ -95,9 +112,10 @@ class TorchDistillKernels(TorchKernels):
 
     # -- the math
 
-    def _log_softmax(self, name: str, x, lse_col, math_: ChunkMath, overwrite: bool) -> torch.Tensor:
+    def _log_softmax(self, name: str, x, lse_col, math_: ChunkMath, overwrite: bool, floor: bool = True) -> torch.Tensor:
         """``scale * x - lse`` over the valid columns, floored at the fp32 minimum so that a column of
-        probability 0 (a -inf logit) adds exactly 0 to every ``p * (...)`` sum; in `x` when it is the
+        probability 0 (a -inf logit) adds exactly 0 to every ``p * (...)`` sum (`floor` False: not yet, the
+        caller floors it once it has found the infinite divergences, `_infinite_rows`); in `x` when it is the
         caller's scratch in the compute dtype, else in the buffer `name`. `lse_col` None: the row's own
         log-softmax (one process, every column valid), in one fused ATen pass instead of three."""
         acc = compute_dtype(x.dtype)
@@ -115,7 +133,7 @@ class TorchDistillKernels(TorchKernels):
                 torch.log_softmax(out, -1, out=out)
             else:  # no such promise elsewhere: a transient copy
                 out.copy_(torch.log_softmax(out, -1))
-        return out.clamp_(min=_FP32_MIN)
+        return out.clamp_(min=_FP32_MIN) if floor else out
 
     def _terms(self, xs, xt, lse, math_: ChunkMath, beta: float, overwrite: bool):
         """Per-row local sums ``[c, 2]`` and the buffers the gradient reads (see `lmloss.kernels`)."""
@@ -127,18 +145,23 @@ class TorchDistillKernels(TorchKernels):
         # the student's softcap slope, before its chunk may be overwritten; the teacher comes capped by its
         # source, so only the temperature applies to it
         slope = self._softcap_slope(xs, math_, "slope")
-        ls = self._log_softmax("ls", xs, None if lse is None else lse[:, 0], math_, overwrite)
+        # the KL's log-probs floored once the rows whose KL is infinite are known (`_infinite_rows`)
+        ls = self._log_softmax("ls", xs, None if lse is None else lse[:, 0], math_, overwrite, floor=beta != 0.0)
         teacher_math = dataclasses.replace(math_, softcap=0.0)
-        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], teacher_math, overwrite)
+        lt = self._log_softmax("lt", xt, None if lse is None else lse[:, 1], teacher_math, overwrite, beta != 1.0)
         w = self.scratch.get("y", rows, n_valid, acc)
         if beta == 0.0:  # sum p_t (lt - ls); the gradient is p_s - p_t
             torch.exp(lt, out=w)  # p_t
-            partials[:, 0] = lt.sub_(ls).mul_(w).sum(-1)  # lt is not read again
+            infinite = _infinite_rows(ls, w)
+            ls.clamp_(min=_FP32_MIN)
+            partials[:, 0] = lt.sub_(ls).mul_(w).sum(-1).masked_fill_(infinite, math.inf)  # lt is not read again
             return partials, ("forward", slope, ls, w)
         if beta == 1.0:  # sum p_s (ls - lt); the gradient is p_s (ls - lt - L)
             torch.exp(ls, out=w)  # p_s
+            infinite = _infinite_rows(lt, w)
+            lt.clamp_(min=_FP32_MIN)
             torch.sub(ls, lt, out=lt)
-            partials[:, 0] = torch.mul(w, lt, out=ls).sum(-1)  # ls's values are not read again
+            partials[:, 0] = torch.mul(w, lt, out=ls).sum(-1).masked_fill_(infinite, math.inf)  # ls: not read again
             return partials, ("reverse", slope, ls, lt, w)
         # log m = logaddexp(ls + log(1 - beta), lt + log(beta)); the two KLs against m
         v = self.scratch.get("v", rows, n_valid, acc)

@@ -206,7 +206,12 @@ class TorchKernels:
             return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, agreed, y_scale)
         if global_max is None or kept_exps is None:
             exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
-        s = block_sums(exps, block)
+        if global_max is not None and kept_exps is not None and kept_exps[2] is not None:
+            # the threshold search's exact kept mass, as without the entropy: the row's lse (and log-prob) are
+            # the same bits whichever outputs are asked
+            s = kept_exps[2].to(acc)[:, None]
+        else:
+            s = block_sums(exps, block)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
         t = block_sums(shifted.mul_(exps), block)
         return BlockPartials(m, s, t, sum_y, target_out, agreed, y_scale)

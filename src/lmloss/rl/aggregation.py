@@ -11,7 +11,7 @@ loss exactly.
 
 Under a group, the ranks first *agree* (`agree_over_group`): one all-gather of a fixed-size vector carries
 each rank's options (the mode, the horizon, the dtype...), its local counts and whether its own checks
-failed; a failed check or a disagreement raises the same `lmloss.vocab_parallel.RankAgreementError` on
+failed; a failed check or a disagreement raises the same `lmloss.agreement.RankAgreementError` on
 every rank, so no rank is left waiting in a collective the others skipped. Every rank then issues the
 same collectives.
 
@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
+from lmloss.agreement import agree_over_group
 from lmloss.packing import as_cu_seqlens, check_cu_seqlens
-from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 #: verl's ``loss_agg_mode`` names, and lmloss's prompt-group mode.
 LOSS_AGG_MODES = (

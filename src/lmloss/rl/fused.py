@@ -25,17 +25,21 @@ import math
 import torch
 
 from lmloss import _validate, replay
+from lmloss.agreement import generator_state
 from lmloss.distill import second_head
 from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
 from lmloss.metrics import StatsTracker
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, Reference, SoftmaxObjective
-from lmloss.rl.aggregation import check_mask
+from lmloss.rl.aggregation import check_mask, group_size
 from lmloss.rl.objectives import (
     Objective,
     PerToken,
+    agree_over_cp,
     check_kl_arguments,
+    check_sequences,
     check_weights_or_mode,
+    policy_agreement_fields,
     policy_loss,
     record_metrics,
     token_weights_of,
@@ -209,8 +213,11 @@ def linear_policy_loss(
             on the first pass over a batch whose `old_logprobs` came from that op (the same head, the same
             options) every ratio is exactly 1 (docs/invariant.md). Not with ``kl_loss_type="full"`` (the
             divergence's vocabulary sums have no invariant kernels).
-        Under `tp_group` every rank must pass the same options and per-token tensors: they are agreed in
-        the op's one rank-agreement gather (a rank that differs raises on every rank).
+        Under `tp_group` every rank must pass the same options and per-token tensors (the sequence
+        boundaries, whether `cp_group` is given, clip_cov's generator state and the reference head's dtype and
+        shape included): they are agreed in the op's one rank-agreement gather (a rank that differs raises on
+        every rank). With `cp_group` the CP ranks agree as in `policy_loss`, whatever the loss mode, and an
+        error of the TP agreement is passed on over `cp_group` (docs/reliability.md).
 
     Returns:
         ``(loss, metrics)`` as `policy_loss`'s, the same on every TP rank. For the token-separable loss modes
@@ -228,6 +235,7 @@ def linear_policy_loss(
     )  # fmt: skip
 
     def checks(expected):
+        _validate.check_group("cp_group", cp_group)
         objective = Objective.make(
             loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
             clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type,
@@ -253,6 +261,9 @@ def linear_policy_loss(
                 )
             check_reference_head(ref_hidden, ref_weight, hidden, weight)
         check_weights_or_mode(token_weights, loss_agg_mode)
+        # the sequences, checked before the rank agreement (policy_loss would check them after the forward's
+        # collectives): the boundaries and each token's sequence are agreed with the other per-token tensors
+        ids, cu = check_sequences(expected, hidden.device, cu_seqlens, sequence_ids, loss_mode)
         counting = labels.reshape(expected) != ignore_index
         if mask is not None:
             counting = counting & check_mask(mask, expected)
@@ -271,13 +282,16 @@ def linear_policy_loss(
                 loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
                 kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff, horizon=horizon,
-                **extra,
+                cp_group=None if cp_group is None else group_size(cp_group), **extra,
             ),
             "tensors": dict(
                 advantages=x.advantages, old_logprobs=x.old_logprobs, ref_logprobs=x.ref_logprobs,
                 rollout_is_weights=x.rollout_is_weights, token_weights=x.token_weights, pg_mask=x.pg_mask,
-                cov_selection=x.cov_selection, mask=None if mask is None else counting,
+                cov_selection=x.cov_selection, sequence_ids=ids, cu_seqlens=cu, mask=None if mask is None else counting,
+                # clip_cov's random draw (no cov_selection): every TP rank must draw from the same state
+                generator=generator_state(generator) if objective.draws_selection(cov_selection) else None,
             ),
+            "arguments": {"ref_hidden": ref_hidden, "ref_weight": ref_weight},
         }  # fmt: skip
         if support is not None:
             state["support"] = replay.check_arguments(support, n, hidden.device, vocab_size, (top_k, top_p, min_p), False)
@@ -286,19 +300,31 @@ def linear_policy_loss(
             out["sampling"] = make_sampling(top_k, top_p, min_p, n_tokens=n, device=hidden.device)
         return out
 
-    p = prepare(
-        hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
-        ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
-        sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
-        outputs=("logprobs", "entropy") if with_entropy else ("logprobs",), checks=checks, agree={"op": 4},
-        # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
-        # both heads' chunks and the KL's gradient (Triton); PyTorch: both heads' chunks, p and a work buffer
-        # (and the exps with an entropy gradient), all fp32
-        **(dict(bytes_per_logit=20, chunk_buffers=3) if kl_loss_type == "full" else {}),
-        invariant=invariant,
-        memory_budget_mib=memory_budget_mib,
-    )  # fmt: skip
+    try:
+        p = prepare(
+            hidden, weight, labels, bias, chunk_size=chunk_size, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
+            sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
+            outputs=("logprobs", "entropy") if with_entropy else ("logprobs",), checks=checks, agree={"op": 4},
+            # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
+            # both heads' chunks and the KL's gradient (Triton); PyTorch: both heads' chunks, p and a work buffer
+            # (and the exps with an entropy gradient), all fp32
+            **(dict(bytes_per_logit=20, chunk_buffers=3) if kl_loss_type == "full" else {}),
+            invariant=invariant, memory_budget_mib=memory_budget_mib,
+        )  # fmt: skip
+    except (TypeError, ValueError) as error:  # raised on every TP rank: the CP ranks of other TP groups hear it too
+        # (unless the TP ranks disagree on cp_group itself: a rank without it cannot take part, docs/reliability.md)
+        if isinstance(cp_group, ProcessGroup) and group_size(cp_group) > 1 and "cp_group" not in getattr(
+            error, "fields", ()
+        ):
+            agree_over_cp(cp_group, {}, "", error=error, like=hidden)
+        raise
     objective, x, mask = state["objective"], state["x"], state["mask"]
+    if objective.token_separable and group_size(cp_group) > 1:  # (a sequence objective's policy_loss agrees)
+        given = (ref_logprobs, True if with_entropy else None, rollout_is_weights, token_weights, pg_mask,
+                 cov_selection, ref_hidden, cu_seqlens, sequence_ids)  # as policy_loss's (the same text and bits)
+        agree_over_cp(cp_group, *policy_agreement_fields(objective, loss_agg_mode, horizon, hidden.dtype, 0, given),
+                      like=hidden)  # fmt: skip
     truncated = p.plan.sampling is not None or support is not None
     reference = None
     if ref_hidden is not None:  # the policy's head transform: its softcap (and temperature, in the kernels)

@@ -27,9 +27,12 @@ import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
+from lmloss.agreement import agree_over_group
 from lmloss.metrics import StatsTracker
+from lmloss.packing import as_cu_seqlens
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
+    check_ids,
     check_mask,
     check_packed_cu_seqlens,
     group_size,
@@ -37,7 +40,7 @@ from lmloss.rl.aggregation import (
     sequence_sums,
     token_weights,
 )
-from lmloss.vocab_parallel import ProcessGroup, agree_over_group
+from lmloss.vocab_parallel import ProcessGroup
 
 #: verl 0.9.1's registered policy losses (but ``bypass_mode``, a composition), verl's ``reinforce`` and
 #: TRL's ``vespo``.
@@ -204,9 +207,18 @@ class Objective:
                 f"kl_importance_weighted multiplies the KL by the token ratio; it is not defined for the sequence "
                 f"objective {loss_mode!r}"
             )
+        if opts["kl_importance_weighted"] and kl_loss_type == "full":
+            raise ValueError(
+                "kl_importance_weighted multiplies a sampled-token KL estimate by the token ratio; "
+                "kl_loss_type='full' is the exact KL over the vocabulary (no estimate to weight): pass one"
+            )
         floats = {k: v if v is None or isinstance(v, bool) else float(v) for k, v in opts.items()}
         return cls(loss_mode, float(low), float(high), None if clip_ratio_c is None else float(clip_ratio_c),
                    kl_loss_type, float(kl_loss_coef), float(entropy_coeff), **floats)  # fmt: skip
+
+    def draws_selection(self, cov_selection: object) -> bool:
+        """Whether the objective draws tokens at random (``clip_cov`` without a `cov_selection`)."""
+        return self.loss_mode == "clip_cov" and cov_selection is None
 
     @property
     def token_separable(self) -> bool:
@@ -423,6 +435,45 @@ def check_kl_arguments(kl_loss_type: str, kl_loss_coef: float, ref_logprobs, kl,
         raise ValueError("kl_loss_coef != 0 needs ref_logprobs (the reference policy's log-probs)")
 
 
+def policy_agreement_fields(objective, loss_agg_mode, horizon, dtype, n_seq: int, given) -> tuple[dict, str]:
+    """What the CP ranks of a policy loss agree on (`agree_over_cp`): `POLICY_CP_FIELDS` (`given`: the optional
+    inputs, None where not given) and the options as a text."""
+    local = dict(
+        dtype=DTYPE_CODES.get(dtype, -1), sequences=n_seq, given=sum(1 << i for i, t in enumerate(given) if t is not None)
+    )
+    return local, f"{objective}, loss_agg_mode={loss_agg_mode!r}, horizon={horizon!r}"
+
+
+def agree_over_cp(cp_group, local: dict, text: str, *, error: BaseException | None = None, like=None) -> int:
+    """The policy loss's agreement over `cp_group` (more than one rank), before the per-sequence all-reduce:
+    one fixed-size gather of `POLICY_CP_FIELDS` and a hash of the options' `text`; a rank's failed check
+    (`error`) or a disagreement raises the same `RankAgreementError` on every CP rank. Returns the sequence
+    count every rank sums over: the largest (a CP rank may hold no token of the last sequences)."""
+    ranks = agree_over_group(
+        cp_group, "lmloss.rl.policy_loss over cp_group", POLICY_CP_FIELDS, local, per_rank=("sequences",),
+        error=error, like=like, text=text,
+    )  # fmt: skip
+    return max(r["sequences"] for r in ranks)
+
+
+def check_sequences(shape, device, cu_seqlens, sequence_ids, loss_mode: str | None):
+    """The sequence arguments' local checks: `cu_seqlens` valid boundaries of packed 1-D tokens (checked
+    whether or not a mode reads it: wrong boundaries are a bug upstream), and with a sequence `loss_mode` each
+    token's sequence found. Returns ``(sequence_ids, cu_seqlens)`` as int64 (None where not given), the values
+    the TP ranks agree on."""
+    if cu_seqlens is not None:
+        if len(shape) != 1:
+            raise ValueError(f"cu_seqlens is for packed 1-D tokens; logprobs have shape {tuple(shape)}")
+        if sequence_ids is None:
+            check_packed_cu_seqlens(cu_seqlens, shape[0])
+        cu_seqlens = as_cu_seqlens(cu_seqlens).long()
+    if sequence_ids is not None:
+        sequence_ids = check_ids("sequence_ids", sequence_ids, shape)
+    if loss_mode in SEQUENCE_MODES:
+        sequence_index(shape, device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need=f"loss_mode={loss_mode!r}")
+    return sequence_ids, cu_seqlens
+
+
 def check_weights_or_mode(token_weights: object, loss_agg_mode: str) -> None:
     """`token_weights` are the aggregation: a non-default `loss_agg_mode` beside them would be ignored."""
     if token_weights is not None and loss_agg_mode != "token-mean":
@@ -461,6 +512,9 @@ class PerToken:
 
 # ----------------------------------------------------------------------------------- batch statistics
 
+#: The fields of `policy_loss`'s agreement over `cp_group` (with a hash of the objective's options): the log-probs'
+#: dtype, this rank's sequence count (the group sums over the largest) and which optional inputs are given.
+POLICY_CP_FIELDS = ("dtype", "sequences", "given")
 #: The fields of `covariance_selection`'s agreement vector (``n``, ``sum_a``, ``sum_lp``: this rank's).
 COV_FIELDS = ("mode", "low", "high", "ratio", "lb", "ub", "n", "sum_a", "sum_lp")
 ENTROPY_FIELDS = ("quantile", "n")
@@ -695,8 +749,9 @@ def off_policy_sequence_mask(
             raise
         error = e
     if group_size(cp_group) > 1:  # every CP rank issues the same all-reduce, or every rank raises the same error
-        agree_over_group(cp_group, "lmloss.rl.off_policy_sequence_mask", ("threshold", "sequences", "dtype"), local,
-                         floats=("threshold",), error=error, like=logprobs)  # fmt: skip
+        ranks = agree_over_group(cp_group, "lmloss.rl.off_policy_sequence_mask", ("threshold", "sequences", "dtype"),
+                                 local, per_rank=("sequences",), floats=("threshold",), error=error, like=logprobs)  # fmt: skip
+        n_seq = max(r["sequences"] for r in ranks)  # a CP rank may hold no token of the last sequences
     diff = torch.nan_to_num(sampling_logprobs.detach() - lp.detach(), nan=0.0).reshape(-1)
     cols = torch.stack([torch.where(valid, diff, 0.0), valid.to(diff.dtype)], dim=1)
     sums = sequence_sums(cols, seq, n_seq, cp_group)
@@ -831,7 +886,11 @@ def policy_loss(
         cu_seqlens: int ``[S + 1]`` for packed tokens (sequence boundaries, ending at N); checked when given.
         sequence_ids, cp_group: sequence objectives under context parallelism: each local token's
             sequence (e.g. ``split_batch(...)["sequence_ids"]``) and the group that splits sequences; the
-            per-sequence sums are all-reduced over it so a split sequence gets one ratio.
+            per-sequence sums are all-reduced over it so a split sequence gets one ratio. With `cp_group`
+            every CP rank first agrees (one gather, whatever the loss mode) on the options, the dtype, which
+            optional inputs are given and its sequence count: a disagreement or one rank's failed check
+            raises the same `lmloss.RankAgreementError` on every CP rank, and the sums run over the
+            largest count (a CP rank may hold no token of the last sequences).
         horizon: the constant of ``"seq-mean-token-sum-norm"`` (default ``T`` for rows).
         ref_logprobs, kl_loss_type, kl_loss_coef: KL-to-reference term (`kl_estimate`), added with weight
             `kl_loss_coef` (needs `ref_logprobs` when the coefficient is not 0; a constant).
@@ -862,46 +921,54 @@ def policy_loss(
 
     Masked positions contribute nothing, even NaN / inf there: their gradient is exactly 0.
     """
-    check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
-    shape = logprobs.shape
-    objective = Objective.make(
-        loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
-        tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
-    )  # fmt: skip
-    check_kl_arguments(kl_loss_type, kl_loss_coef, ref_logprobs, kl)
-    if entropy_coeff != 0.0 and entropy is None:
-        raise ValueError("entropy_coeff != 0 needs entropy (per-token entropies, e.g. return_entropy=True)")
-    check_weights_or_mode(token_weights, loss_agg_mode)
-    if cov_selection is not None and loss_mode not in SELECTION_MODES:
-        raise ValueError(f"cov_selection is for loss_mode in {SELECTION_MODES}, not {loss_mode!r}")
-    check_group("cp_group", cp_group)
-    x = PerToken(
-        shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, token_weights,
-        pg_mask=pg_mask, cov_selection=cov_selection,
-    )  # fmt: skip
-    if cu_seqlens is not None:  # checked whether or not a mode reads it: wrong boundaries are a bug upstream
-        if len(shape) != 1:
-            raise ValueError(f"cu_seqlens is for packed 1-D tokens; logprobs have shape {tuple(shape)}")
-        if sequence_ids is None:
-            check_packed_cu_seqlens(cu_seqlens, shape[0])
-    if x.token_weights is None:
-        w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype)
-    else:
-        w = x.token_weights
+    check_group("cp_group", cp_group)  # raised here: without a group there is nothing to agree over
+    over_cp = group_size(cp_group) > 1
+    error, local, text, n_seq = None, {}, "", 0
+    try:
+        check_per_token("logprobs", logprobs, logprobs.shape if isinstance(logprobs, torch.Tensor) else None)
+        shape = logprobs.shape
+        objective = Objective.make(
+            loss_mode=loss_mode, clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
+            entropy_coeff=entropy_coeff, tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef,
+            dro_beta=dro_beta, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_importance_weighted=kl_importance_weighted,
+        )  # fmt: skip
+        check_kl_arguments(kl_loss_type, kl_loss_coef, ref_logprobs, kl)
+        if entropy_coeff != 0.0 and entropy is None:
+            raise ValueError("entropy_coeff != 0 needs entropy (per-token entropies, e.g. return_entropy=True)")
+        check_weights_or_mode(token_weights, loss_agg_mode)
+        if cov_selection is not None and loss_mode not in SELECTION_MODES:
+            raise ValueError(f"cov_selection is for loss_mode in {SELECTION_MODES}, not {loss_mode!r}")
+        x = PerToken(
+            shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, token_weights,
+            pg_mask=pg_mask, cov_selection=cov_selection,
+        )  # fmt: skip
+        check_sequences(shape, logprobs.device, cu_seqlens, sequence_ids, None)
+        if objective.loss_mode in SEQUENCE_MODES:
+            seq, n_seq = sequence_index(
+                shape, logprobs.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids,
+                need=f"loss_mode={loss_mode!r}",
+            )  # fmt: skip
+        if kl is not None:
+            check_per_token("kl", kl, shape)
+        if x.token_weights is None:
+            w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype)
+        else:
+            w = x.token_weights
+        given = (ref_logprobs, entropy, rollout_is_weights, token_weights, pg_mask, cov_selection, kl, cu_seqlens,
+                 sequence_ids)  # fmt: skip
+        local, text = policy_agreement_fields(objective, loss_agg_mode, horizon, logprobs.dtype, n_seq, given)
+    except (TypeError, ValueError) as e:
+        if not over_cp:
+            raise
+        error = e
+    if over_cp:  # before the sequences' all-reduce: every CP rank issues it alike, or every rank raises
+        n_seq = agree_over_cp(cp_group, local, text, error=error, like=logprobs)
     lp = _masked(x.mask, logprobs.reshape(-1))
     seq_sums = None
     if objective.loss_mode in SEQUENCE_MODES:
-        seq, n_seq = sequence_index(
-            shape,
-            lp.device,
-            cu_seqlens=cu_seqlens,
-            sequence_ids=sequence_ids,
-            need=f"loss_mode={loss_mode!r}",
-        )
         columns = objective.sequence_columns(lp, x.old_logprobs, x.advantages, x.mask, x.rollout_is_weights)
         seq_sums = sequence_sums(columns, seq, n_seq, cp_group)[seq]
     selected = x.cov_selection
@@ -912,7 +979,6 @@ def policy_loss(
             clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, generator=generator,
         )  # fmt: skip
     if kl is not None:
-        check_per_token("kl", kl, shape)
         kl = _masked(x.mask, kl.reshape(-1))
     per_tok, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,

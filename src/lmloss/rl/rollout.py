@@ -18,7 +18,7 @@ The log-ratio is clamped to +-20 before ``exp`` (verl's safety bound).
 Under context parallelism (``sequence_ids`` of the CP-local tokens, ``cp_group``) a sequence's sums are
 all-reduced over ``cp_group``; with ``batch_normalize=True`` the weights' mean is taken over ``group`` (the
 ranks that hold the global batch's tokens). Both groups first agree on every argument (one fixed-size
-gather, `lmloss.vocab_parallel.agree_over_group`): a rank whose arguments differ or fail a check makes every
+gather, `lmloss.agreement.agree_over_group`): a rank whose arguments differ or fail a check makes every
 rank raise the same error instead of leaving one waiting in a collective.
 """
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmloss._validate import check_group
+from lmloss.agreement import agree_over_group
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
     SEQ_LEN_EPS,
@@ -40,7 +41,7 @@ from lmloss.rl.aggregation import (
     sequence_sums,
 )
 from lmloss.rl.objectives import LOG_RATIO_CLAMP, check_per_token
-from lmloss.vocab_parallel import ProcessGroup, agree_over_group, all_reduce_sum_
+from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 LEVELS = ("token", "sequence")
 #: verl 0.9.1's rejection-sampling criteria (``rollout_rs``): a divergence estimate of each token (``token_``),
@@ -50,23 +51,28 @@ REJECTION_CRITERIA = (
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 )  # fmt: skip
-#: The agreement vectors' fields (`lmloss.vocab_parallel.agree_over_group`): the IS weights' options, and
+#: The agreement vectors' fields (`lmloss.agreement.agree_over_group`): the IS weights' options, and
 #: rejection_mask's (``rollout_rs``: a bit per criterion; ``rollout_rs_threshold``: a CRC of the parsed
-#: bounds); ``sequences``: how many sequences the CP sums are indexed by (equal over `cp_group`, per rank
-#: over the normalization `group`); ``dtype``: of the log-probs (the sums' all-reduce).
+#: bounds); ``sequences``: how many sequences this rank's CP sums are indexed by (the largest over `cp_group`
+#: is summed over: a CP rank may hold no token of the last sequences; per rank over the normalization
+#: `group`); ``dtype``: of the log-probs (the sums' all-reduce).
 IS_FIELDS = ("level", "cap", "lower", "upper", "batch_normalize", "sequences", "dtype")
 REJECTION_FIELDS = ("rollout_rs", "rollout_rs_threshold", "sequences", "dtype")
 
 __all__ = ["REJECTION_CRITERIA", "masked_is_weights", "rejection_mask", "truncated_is_weights"]
 
 
-def _agree(group, what: str, fields, local: dict, error: BaseException | None, like, per_rank=()) -> None:
+def _agree(group, what: str, fields, local: dict, error: BaseException | None, like, per_rank=()) -> int:
     """One agreement gather over `group` when it has more than one rank: a rank's failed check (`error`) or
     a field that differs make every rank raise the same error here. On one process nothing happens (the
-    caller raises its own `error` after its agreements)."""
-    if group_size(group) > 1:
-        agree_over_group(group, what, fields, local, per_rank=per_rank, floats=("cap", "lower", "upper"),
-                         error=error, like=like)  # fmt: skip
+    caller raises its own `error` after its agreements). Returns the largest ``sequences`` over the group
+    (this rank's on one process): a CP rank may hold no token of the last sequences, and every rank sums over
+    the group's count."""
+    if group_size(group) <= 1:
+        return local.get("sequences", 0)
+    ranks = agree_over_group(group, what, fields, local, per_rank=per_rank, floats=("cap", "lower", "upper"),
+                             error=error, like=like)  # fmt: skip
+    return max(r["sequences"] for r in ranks)
 
 
 def _is_weights(
@@ -102,7 +108,7 @@ def _is_weights(
     except (TypeError, ValueError) as e:
         error = e
     name = f"lmloss.rl.{what}"
-    _agree(cp_group, name, IS_FIELDS, local, error, old_logprobs)
+    n_seq = _agree(cp_group, name, IS_FIELDS, local, error, old_logprobs, per_rank=("sequences",))
     _agree(group, name, IS_FIELDS, local, error, old_logprobs, per_rank=("sequences",))
     if error is not None:
         raise error
@@ -310,7 +316,8 @@ def rejection_mask(
         )  # fmt: skip
     except (TypeError, ValueError) as e:
         error = e
-    _agree(cp_group, "lmloss.rl.rejection_mask", REJECTION_FIELDS, local, error, old_logprobs)
+    n_seq = _agree(cp_group, "lmloss.rl.rejection_mask", REJECTION_FIELDS, local, error, old_logprobs,
+                   per_rank=("sequences",))  # fmt: skip
     if error is not None:
         raise error
 
