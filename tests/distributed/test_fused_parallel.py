@@ -158,7 +158,48 @@ def _run_config(name, sp, group, counter):
         "bwd": tagged(bwd),
         "other_groups": len(fwd) + len(bwd) - len(tagged(fwd)) - len(tagged(bwd)),
     }
+
+    # bf16, within a budget below even this tiny head's fp32 weight-gradient accumulator (the weight pass)
+    # and within the default one (the accumulator): the same gradients, the same collectives
+    for budget in (LEAN_BUDGET_MIB, None):
+        h, w, b = (t.bfloat16().requires_grad_() for t in (h_local, w_local, b_local))
+        counter.take()
+        logp, ent = lmloss.linear_token_logprobs(h, w, labels, bias=b, return_entropy=True, memory_budget_mib=budget,
+                                                 **{**kw, "chunk_size": "auto"})  # fmt: skip
+        ((logp * adv).sum() + (ent * ent_w).sum()).backward()
+        loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, memory_budget_mib=budget, **{**kw, "chunk_size": "auto"})
+        loss.backward()
+        out[("bf16", budget)] = {"grads": (h.grad, w.grad, b.grad), "calls": tagged(counter.take())}
     return out
+
+
+def _peak_within_budget(group, sp: bool) -> tuple[float, float, int]:
+    """(peak MiB above this rank's inputs and gradients within `BUDGET_MIB`, the same within the default
+    budget, the tokens) for the mean cross-entropy and its backward of a 256 x 64 x 4000 bf16 head over TP=2."""
+    from lmloss.profiling import peak_memory
+
+    n, h, v = 256, 64, 4000
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * h**-0.5).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[: n // 4] = -100
+    tp_rank, half = dist.get_rank(group), v // 2
+    rows = slice(tp_rank * n // 2, (tp_rank + 1) * n // 2) if sp else slice(None)
+    peaks = []
+    for budget in (BUDGET_MIB, None):
+        x = hidden[rows].clone().requires_grad_()
+        w = weight[tp_rank * half : (tp_rank + 1) * half].clone().requires_grad_()
+        with peak_memory() as mem:
+            lmloss.linear_cross_entropy(x, w, labels, tp_group=group, sequence_parallel=sp,
+                                        memory_budget_mib=budget).backward()  # fmt: skip
+        grads = x.grad.numel() * 2 + w.grad.numel() * 2
+        peaks.append((mem.peak_bytes - grads) / 2**20)
+    return peaks[0], peaks[1], n
+
+
+BUDGET_MIB = 0.25  # half this rank's fp32 weight-gradient accumulator (2000 x 64 x 4 bytes)
+LEAN_BUDGET_MIB = 2e-4  # 210 bytes: less than any rank's fp32 [V_local, 8] accumulator (at least 192 + 36 rows)
 
 
 def _rank_fn(rank: int, world: int):
@@ -171,6 +212,8 @@ def _rank_fn(rank: int, world: int):
         for name, sp in KEYS:
             group = tp2 if CONFIGS[name][0] == 2 else tp4
             results[(name, sp)] = _run_config(name, sp, group, counter)
+        for sp in (False, True):
+            results[("peak", sp)] = _peak_within_budget(tp2, sp)
 
         # sequence parallelism: labels must be the gathered tokens, not this rank's block
         h_local = torch.randn(2, 4, H)
@@ -316,6 +359,31 @@ def test_every_rank_of_a_group_returns_identical_outputs(ranks):
                 assert torch.equal(a["logprobs"]["logprobs"], b["logprobs"]["logprobs"]), (name, sp, rank)
                 assert torch.equal(a["logprobs"]["entropy"], b["logprobs"]["entropy"]), (name, sp, rank)
                 assert torch.equal(a["ce"]["loss"], b["ce"]["loss"]), (name, sp, rank)
+
+
+@pytest.mark.parametrize(("name", "sp"), KEYS, ids=KEY_IDS)
+def test_the_weight_pass_under_tp_gives_every_rank_the_gradients_of_the_accumulator(ranks, name, sp):
+    """Within a budget that no weight-gradient accumulator fits, each rank's weight pass over its shard
+    gives the gradients the accumulator gives (both summed in fp32, rounded once to bf16), and issues the
+    same collectives: the weight pass has none."""
+    for rank in range(WORLD):
+        got = ranks[rank][(name, sp)]
+        lean, roomy = got[("bf16", LEAN_BUDGET_MIB)], got[("bf16", None)]
+        for a, b in zip(lean["grads"], roomy["grads"]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=f"{name} {sp} rank {rank}")
+        assert len(lean["calls"]) >= len(roomy["calls"])  # more, smaller chunks: more of the same per chunk
+        assert {c for c in lean["calls"]} == {c for c in roomy["calls"]}, (rank, lean["calls"], roomy["calls"])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_every_tp_rank_stays_within_a_budget_below_its_weight_gradient_accumulator(ranks, sp):
+    """What a rank holds beyond its inputs and gradients, with and without sequence parallelism: within
+    the budget (the fp32 sum of the hidden gradient over TP, or the gathered hidden rows, included), plus
+    O(N) vectors; the default budget keeps the 0.49 MiB accumulator."""
+    for rank in range(WORLD):
+        lean, roomy, n = ranks[rank][("peak", sp)]
+        assert lean <= BUDGET_MIB + 64 * n / 2**20, (rank, lean)
+        assert roomy >= 2000 * 64 * 4 / 2**20, (rank, roomy)
 
 
 def test_sequence_parallel_labels_must_cover_the_gathered_tokens(ranks):

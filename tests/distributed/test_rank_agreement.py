@@ -303,14 +303,32 @@ DISAGREEMENTS = {
         lambda r: (_data(0, N, 16), dict(_env={"LMLOSS_CHECK_RANKS": _per_rank(r, None, "0")})),
         ["LMLOSS_CHECK_RANKS", "[1, 0]"],
     ),
+    # every op's budget is agreed (its chunks, and a fused head's schedule, come from it): a logits op whose
+    # ranks cut different chunks once aborted in a collective of another size
     "LMLOSS_CHUNK_BUDGET_MIB_on_one_rank": (
-        FUSED,
+        ALL + ("linear_policy_loss", "distillation_loss", "linear_distillation_loss"),
         lambda r: (
             _data(0, N, 16),
             dict(chunk_size="auto", _env={"LMLOSS_CHUNK_BUDGET_MIB": _per_rank(r, None, "1")}),
         ),
         ["LMLOSS_CHUNK_BUDGET_MIB", "[64.0, 1.0]"],
     ),
+    "memory_budget_mib": (
+        ALL + ("linear_policy_loss", "distillation_loss", "linear_distillation_loss"),
+        lambda r: (_data(0, N, 16), dict(memory_budget_mib=_per_rank(r, 2.0, 0.001))),
+        ["memory_budget_mib", "[2.0, 0.001]"],
+    ),
+    "bad_memory_budget_mib_on_one_rank": (
+        ALL,
+        lambda r: (_data(0, N, 16), dict(memory_budget_mib=_per_rank(r, None, -1))),
+        ["TP rank 1 of 2", "memory_budget_mib must be None or a positive number"],
+    ),
+    "weight_grad_dtype": (
+        FUSED,
+        lambda r: (_as_dtype(_data(0, N, 16), torch.bfloat16),
+                   dict(weight_grad_dtype=_per_rank(r, torch.float32, torch.bfloat16))),
+        ["weight_grad_dtype"],
+    ),  # fmt: skip
     "different_labels": (
         LABELLED + ("linear_token_logprobs",),
         lambda r: (_data(r, N, 16), {}),
@@ -557,6 +575,9 @@ DISAGREEMENTS.update({
                                                sequence_ids=(SEQUENCE_IDS, SEQUENCE_IDS + PATTERN)),
                                ["different sequence_ids"]),  # fmt: skip
     "cp_group_on_one_rank": (POLICY, _policy(cp_group=("<group>", None)), ["objective's options", "cp_group=2"]),
+    # which tokens count: the rows every rank skips (a patterned change keeps the count)
+    "mask_patterned": (POLICY, _policy(mask=(PG_MASK[0], PG_MASK[1])), ["different mask"]),
+    "mask_on_one_rank": (POLICY, _policy(mask=(PG_MASK[0], None)), ["mask"]),
     # 3. the full KL's reference head
     "reference_head_dtype": (POLICY, lambda r: _reference_head(4, _per_rank(r, torch.float32, torch.bfloat16))(r),
                              ["dtypes and shapes", "ref_hidden: bfloat16 [6, 4]", "ref_weight: float32 [V_local, 4]"]),
