@@ -126,6 +126,43 @@ CASES = {
         def step():
             x.grad = None; lmloss.distillation_loss(x, t, beta=0.5).backward()
     """, "distillation_loss (JSD beta 0.5) [4096, 32000] fp32"),
+    # issue #31: tokens that do not count cost nothing (the first half of every 512-token sequence ignored,
+    # as prompts are in SFT and RL); a tree that computes them shows the cost they had
+    "fused_ce_half_ignored": ("""
+        h = torch.randn(8192, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        y = torch.randint(0, 32000, (8192,)); y.view(-1, 512)[:, :256] = -100
+        def step():
+            h.grad = w.grad = None; lmloss.linear_cross_entropy(h, w, y).backward()
+    """, "linear_cross_entropy 8192 x 256 x 32000 fp32, the first half of every 512 tokens ignored"),
+    "fused_ce_none_ignored": ("""
+        h = torch.randn(8192, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        y = torch.randint(0, 32000, (8192,))
+        def step():
+            h.grad = w.grad = None; lmloss.linear_cross_entropy(h, w, y).backward()
+    """, "linear_cross_entropy 8192 x 256 x 32000 fp32, no token ignored"),
+    "fused_logprobs_half_ignored": ("""
+        h = torch.randn(8192, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        y = torch.randint(0, 32000, (8192,)); y.view(-1, 512)[:, :256] = -100; u = torch.randn(8192)
+        def step():
+            h.grad = w.grad = None; (lmloss.linear_token_logprobs(h, w, y) * u).sum().backward()
+    """, "linear_token_logprobs under a per-token upstream, 8192 x 256 x 32000 fp32, half ignored"),
+    "fused_logprobs_none_ignored": ("""
+        h = torch.randn(8192, 256).requires_grad_(); w = (torch.randn(32000, 256) / 16).requires_grad_()
+        y = torch.randint(0, 32000, (8192,)); u = torch.randn(8192)
+        def step():
+            h.grad = w.grad = None; (lmloss.linear_token_logprobs(h, w, y) * u).sum().backward()
+    """, "linear_token_logprobs under a per-token upstream, 8192 x 256 x 32000 fp32, none ignored"),
+    "logits_half_ignored": ("""
+        x = (torch.randn(8192, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (8192,))
+        y.view(-1, 512)[:, :256] = -100; u = torch.randn(8192)
+        def step():
+            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
+    """, "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', half ignored"),
+    "logits_none_ignored": ("""
+        x = (torch.randn(8192, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (8192,)); u = torch.randn(8192)
+        def step():
+            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
+    """, "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', none ignored"),
 }
 
 #: The cases whose op takes ``invariant=`` (their code passes ``**INV``).
