@@ -519,24 +519,17 @@ def test_policy_loss_fn_equals_verls_function(mode, agg, global_batch):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_geo_mean_equals_verl_whatever_the_agg_mode(agg):
     # verl's GMPO ignores loss_agg_mode and the global counts: the mean over every row (empty ones too).
-    # A float mask: where verl keeps its 1e-8 in the lengths, as lmloss.rl does (bool: the next test)
+    # A float mask: where verl keeps its 1e-8 in the lengths (bool: the next test)
     want, got = both(
         "geo_mean", agg, actor_config("geo_mean", GLOBAL_BATCH), *rollout_batch(mask_dtype=torch.float64)
     )
     assert_equal_losses(got, want)
 
 
-CORE_EPS = (
-    "core: lmloss.rl divides by a sequence's length + 1e-8 in float64; verl adds 1e-8 to the integer "
-    "count of a bool mask in float32, where it rounds away"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=CORE_EPS)
 def test_geo_mean_with_verls_bool_mask():
+    # verl adds its 1e-8 to the integer count of a bool mask in float32, where it rounds away
     want, got = both("geo_mean", "token-mean", actor_config("geo_mean"), *rollout_batch())
-    torch.testing.assert_close(got[0], want[0], rtol=1e-7, atol=0)  # within the 1e-8's size ...
-    assert_equal_losses(got, want)  # ... not 1e-9
+    assert_equal_losses(got, want)
 
 
 @pytest.mark.parametrize("mode", list(ACTOR))
@@ -586,14 +579,32 @@ def test_bypass_mode_equals_verl(case, agg):
 
 def test_bypass_mode_with_sequence_weights_normalized_over_the_batch():
     correction = dict(BYPASS["reinforce-seq-icepop"], rollout_is_batch_normalize=True)
-    want, got = bypass(correction, "token-mean", mask_dtype=torch.float64)  # verl keeps its 1e-8 (as lmloss)
+    want, got = bypass(correction, "token-mean", mask_dtype=torch.float64)  # verl keeps its 1e-8 here
     assert_equal_losses(got, want, same_metric_keys=False)
 
 
-@pytest.mark.xfail(strict=True, reason=CORE_EPS)
 def test_bypass_mode_with_sequence_weights_normalized_and_verls_bool_mask():
     want, got = bypass(dict(BYPASS["reinforce-seq-icepop"], rollout_is_batch_normalize=True), "token-mean")
     assert_equal_losses(got, want, same_metric_keys=False)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("mode", list(ACTOR))
+def test_policy_loss_fn_equals_verls_function_with_a_float64_mask(mode, agg):
+    # verl keeps its 1e-8 in a float64 mask's counts (seq-mean-token-mean, geo_mean, clip_cov's means)
+    want, got = both(mode, agg, actor_config(mode), *rollout_batch(4, mask_dtype=torch.float64))
+    assert_equal_losses(got, want)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64], ids=["bool", "float64"])
+def test_bypass_mode_keeps_the_masks_dtype_through_rejection_and_normalization(mask_dtype):
+    # verl's rejected mask keeps response_mask's dtype, and with it where its 1e-8 is added to each count:
+    # the sequence IS weights' means, the seq_mean criterion, the seq-mean-token-mean lengths
+    correction = dict(BYPASS["reinforce-seq-icepop"], rollout_is_batch_normalize=True, rollout_rs="seq_mean_k1",
+                      rollout_rs_threshold="0.95_1.05")  # fmt: skip
+    want, got = bypass(correction, "seq-mean-token-mean", mask_dtype=mask_dtype)
+    assert_equal_losses(got, want, same_metric_keys=False)
+    assert want[1]["rollout_corr/rollout_rs_masked_fraction"] > 0  # the criterion rejects some tokens
 
 
 def test_the_losses_are_registered_in_verls_registry(monkeypatch):

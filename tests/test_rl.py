@@ -37,8 +37,8 @@ def ref_agg(loss_mat, mask, mode):
     n_seqs = (seq_len > 0).double().sum()
     if mode == "seq-mean-token-sum":
         return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs
-    if mode == "seq-mean-token-mean":
-        return ((loss_mat * m).sum(-1) / (seq_len + 1e-8) * (seq_len > 0)).sum() / n_seqs
+    if mode == "seq-mean-token-mean":  # verl's 1e-8 on the mask's own count (bool: in float32, where it rounds away)
+        return ((loss_mat * m).sum(-1) / (mask.sum(-1) + 1e-8) * (seq_len > 0)).sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":  # verl 0.9.1: the seq-mean of token sums, over the horizon
         return ((loss_mat * m).sum(-1) * (seq_len > 0)).sum() / n_seqs / mask.shape[-1]
     raise AssertionError(mode)
@@ -427,9 +427,14 @@ def test_a_differentiable_constant_is_refused_naming_it(name):
 def test_a_0_1_mask_of_any_dtype_equals_the_bool_mask():
     lp, old, adv, _, _, mask = _batch(11)
     want, _ = policy_loss(lp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
-    for m in (mask.double(), mask.int(), mask.to(torch.uint8)):
+    for m in (mask.float(), mask.int(), mask.to(torch.uint8)):
         got, _ = policy_loss(lp, old, adv, m, loss_agg_mode="seq-mean-token-mean")
         assert torch.equal(got, want)
+    # verl's 1e-8 in each sequence's count stays in a float64 mask's (it rounds away in float32, where verl adds
+    # it to the integer count of a bool mask): tests/test_rl_verl.py checks both against verl
+    got, _ = policy_loss(lp, old, adv, mask.double(), loss_agg_mode="seq-mean-token-mean")
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=0)
     with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1; it holds 0.5"):
         token_weights(torch.tensor([1.0, 0.5, 0.0]))
 

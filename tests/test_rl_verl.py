@@ -424,3 +424,172 @@ def test_batch_normalized_is_weights_equal_verl_on_random_batches():
         torch.testing.assert_close(got, want.to(got.dtype), **tol)
         compared += 1
     assert compared > 250
+
+
+# ----------------------------------------------------------- verl's 1e-8 in a token count, by the mask's dtype
+#
+# verl divides by ``mask.sum(...) + 1e-8`` (``masked_mean``, ``agg_loss``'s seq-mean-token-mean, GMPO's
+# lengths). A float mask's count is in its dtype, and the 1e-8 stays in float64; a bool mask's count is an
+# integer tensor, and the 1e-8 is added in torch's default float dtype, where it rounds away. Each site
+# below is compared with verl's own function for a bool and a float64 mask at 1e-12, which the 1e-8 exceeds
+# on these short rows (it moves a mean over n tokens by 1e-8 / n), and verl's two results differ.
+
+MASK_DTYPES = [torch.bool, torch.float64]
+TIGHT = dict(rtol=1e-12, atol=1e-15)
+
+
+def _equal_for_both_masks(run):
+    """`run(mask_dtype)` -> (lmloss's tensors, verl's tensors): equal at `TIGHT` for each mask dtype, and verl's
+    results for the two dtypes differ beyond it (the case sees which dtype verl adds its 1e-8 in)."""
+    verls = []
+    for mask_dtype in MASK_DTYPES:
+        got, want = run(mask_dtype)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TIGHT, msg=lambda m, d=mask_dtype: f"{d}: {m}")
+        verls.append(want)
+    assert any(not torch.allclose(a, b, rtol=1e-11, atol=0) for a, b in zip(*verls))
+
+
+def _seq_mean_token_mean_case(mask_dtype):
+    lp, old, adv, mask = _batch(9)
+    mask = mask.to(mask_dtype)
+    loss_mat = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    return lp.requires_grad_(True), old, adv, mask, loss_mat
+
+
+def test_seq_mean_token_mean_adds_verls_eps_in_the_masks_dtype():
+    def run(mask_dtype):
+        lp, old, adv, mask, loss_mat = _seq_mean_token_mean_case(mask_dtype)
+        agg = "seq-mean-token-mean"
+        want_agg = CA.agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=agg)
+        got_agg = (token_weights(mask, agg, dtype=torch.float64) * loss_mat).sum()
+        cu = torch.tensor([0, *torch.full((B,), T).cumsum(0).tolist()])  # packed rows: the same weights
+        packed = token_weights(mask.reshape(-1), agg, cu_seqlens=cu, dtype=torch.float64).view(B, T)
+        want = _verl_loss("vanilla", lp, old, adv, mask, agg, verl_config("vanilla"))
+        got, _ = policy_loss(lp, old, adv, mask, loss_agg_mode=agg, **LOSSES["vanilla"])
+        return (
+            [got_agg, _grad(got_agg, loss_mat), (packed * loss_mat).sum(), got, _grad(got, lp)],
+            [want_agg, _grad(want_agg, loss_mat), want_agg, want, _grad(want, lp)],
+        )
+
+    _equal_for_both_masks(run)
+
+
+@pytest.mark.parametrize("with_is_weights", [False, True], ids=["plain", "is-weights"])
+def test_geo_mean_adds_verls_eps_in_the_masks_dtype(with_is_weights):
+    def run(mask_dtype):
+        lp, old, adv, mask = _batch(10)
+        lp, mask = lp.requires_grad_(True), mask.to(mask_dtype)
+        is_w = None
+        if with_is_weights:
+            is_w = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+        want = _verl_loss("geo_mean", lp, old, adv, mask, "token-mean", verl_config("geo_mean"), is_w=is_w)
+        rows = mask.double()  # verl's aggregation: the mean of the rows' sequence losses, every row counted
+        w = rows / (rows.sum(-1, keepdim=True).clamp(min=1) * B)
+        got, _ = policy_loss(lp, old, adv, mask, loss_mode="geo_mean", token_weights=w, rollout_is_weights=is_w,
+                             **LOSSES["geo_mean"])  # fmt: skip
+        return [got, _grad(got, lp)], [want, _grad(want, lp)]
+
+    _equal_for_both_masks(run)
+
+
+def test_the_fused_loss_adds_verls_eps_in_the_masks_dtype():
+    # linear_policy_loss carries its mask's dtype to the weights (vanilla: chunked) and to geo_mean (two passes)
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(B, T, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 8, generator=g, dtype=torch.float64) * 0.7
+    labels = torch.randint(0, 24, (B, T), generator=g)
+    _, old, adv, mask = _batch(11)
+
+    def lp():  # verl's input: the log-probs of the materialized logits
+        return torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[..., None])[..., 0]
+
+    def run(mask_dtype):
+        m = mask.to(mask_dtype)
+        want_ppo = _verl_loss("vanilla", lp(), old, adv, m, "seq-mean-token-mean", verl_config("vanilla"))
+        fused = dict(mask=m, impl="torch", chunk_size=5)
+        got_ppo, _ = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, loss_agg_mode="seq-mean-token-mean",
+                                                  **fused, **LOSSES["vanilla"])  # fmt: skip
+        want_geo = _verl_loss("geo_mean", lp(), old, adv, m, "token-mean", verl_config("geo_mean"))
+        rows = mask.double()
+        w = rows / (rows.sum(-1, keepdim=True).clamp(min=1) * B)
+        got_geo, _ = lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, loss_mode="geo_mean", token_weights=w,
+                                                  **fused, **LOSSES["geo_mean"])  # fmt: skip
+        return (
+            [got_ppo, _grad(got_ppo, hidden), got_geo, _grad(got_geo, hidden)],
+            [want_ppo, _grad(want_ppo, hidden), want_geo, _grad(want_geo, hidden)],
+        )
+
+    _equal_for_both_masks(run)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalized_is_weights_add_verls_eps_in_the_masks_dtype(level):
+    # the sequences' weight means (both levels of verl's masked_mean), and on one process the token level's
+    old, rollout, mask = _rollout_batch()
+
+    def run(mask_dtype):
+        m = mask.to(mask_dtype)
+        want, _ = verl.rollout_corr_helper.compute_rollout_correction_weights(
+            log_ratio=old - rollout, response_mask=m, rollout_is=level, rollout_is_threshold=1.2,
+            rollout_is_batch_normalize=True,
+        )  # fmt: skip
+        return [_lmloss_is_weights(old, rollout, m, level, 1.2, batch_normalize=True)], [want]
+
+    _equal_for_both_masks(run)
+
+
+def test_seq_mean_rejection_adds_verls_eps_in_the_masks_dtype():
+    # a sequence of two tokens whose mean k1 sits within verl's 1e-8 of the upper bound: a bool mask's count
+    # (the 1e-8 rounded away) puts it above and rejects it, a float64 mask's (1e-8 kept) below
+    old, rollout, mask = _rollout_batch()
+    mask[3] = False
+    mask[3, 4:6] = True
+    rollout[3, 4:6] = old[3, 4:6] + 0.25
+    k1_mean = float((rollout[3, 4:6] - old[3, 4:6]).sum()) / 2
+    spec = f"0.01_{math.exp(k1_mean * (1 - 0.25e-8))!r}"
+    kept = []
+    for mask_dtype in MASK_DTYPES:
+        m = mask.to(mask_dtype)
+        want, _ = verl.rollout_corr_helper.compute_rollout_rejection_mask(
+            log_ratio=old - rollout, response_mask=m, rollout_rs="seq_mean_k1", rollout_rs_threshold=spec
+        )
+        got = lmloss.rl.rejection_mask(old, rollout, m, rollout_rs="seq_mean_k1", rollout_rs_threshold=spec)
+        assert torch.equal(got, want.bool()), mask_dtype
+        kept.append(bool(want[3, 4]))
+    assert kept == [False, True]
+
+
+def test_clip_cov_means_add_verls_eps_in_the_masks_dtype():
+    # clip_cov's means (verl's masked_mean) place a token's covariance; with clip_cov_lb between its two values
+    # (the count with and without the 1e-8), the token is selected for one mask dtype only. Every candidate is
+    # selected (clip_cov_ratio=1), so the selection does not depend on the random draw.
+    lp, old, adv, mask = _batch(13)
+    valid = mask.reshape(-1)
+    a, x = torch.where(mask, adv, 0.0).reshape(-1), torch.where(mask, lp, 0.0).reshape(-1)
+    n = float(valid.sum())
+    ratio = (lp - old).exp().reshape(-1)
+    unclipped = ~(-adv.reshape(-1) * ratio.clamp(0.9, 1.28) > -adv.reshape(-1) * ratio) & valid
+
+    def cov(count):  # the setup only: where to put the bound (verl's own function is the reference below)
+        return (a - a.sum() / count) * (x - x.sum() / count)
+
+    plain, eps = cov(n), cov(n + 1e-8)
+    t = int(torch.where(unclipped & (plain > 0.2) & (plain < 3.0), plain, 0.0).argmax())
+    options = dict(LOSSES["clip_cov"], clip_cov_ratio=1.0, clip_cov_lb=float((plain[t] + eps[t]) / 2), clip_cov_ub=9.0)
+    lp = lp.requires_grad_(True)
+    selected = []
+
+    def run(mask_dtype):
+        m = mask.to(mask_dtype)
+        torch.manual_seed(0)
+        want = _verl_loss("clip_cov", lp, old, adv, m, "token-mean", verl_config("clip_cov", **options))
+        got, _ = policy_loss(lp, old, adv, m, loss_mode="clip_cov", **options)
+        selection = lmloss.rl.covariance_selection(
+            lp, old, adv, m, loss_mode="clip_cov", **{k: v for k, v in options.items() if k != "clip_ratio_c"}
+        )
+        selected.append(bool(selection.reshape(-1)[t]))
+        return [got, _grad(got, lp)], [want, _grad(want, lp)]
+
+    _equal_for_both_masks(run)
+    assert selected[0] != selected[1]  # the token the bound was put beside: selected for one mask dtype only

@@ -1074,8 +1074,10 @@ def test_batch_normalized_sequence_weights_over_dp_ranks_holding_different_seque
     log_ratio = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seq, (b["old"] - b["rollout"]) * m)
     w_seq = log_ratio.clamp(-20, 20).exp().clamp(max=1.5)
     valid = torch.zeros(len(lengths), dtype=torch.float64).index_add(0, seq, m)
-    # verl's batch mean: over the sequences with a valid token, each its weight's mean over its valid tokens
-    per_seq = w_seq * valid / (valid + 1e-8)
+    count = torch.zeros(len(lengths), dtype=torch.int64).index_add(0, seq, b["mask"].long())
+    # verl's batch mean: over the sequences with a valid token, each its weight's mean over its valid tokens, its
+    # 1e-8 added to the bool mask's integer count (in torch's default float dtype, where it rounds away)
+    per_seq = w_seq * valid / (count + 1e-8)
     mean = per_seq[valid > 0].sum() / (valid > 0).sum()
     want = torch.where(b["mask"], w_seq[seq] / mean, 0.0)
     got = torch.cat([ranks[r]["cp"]["dp_normalized"] for r in range(WORLD)])

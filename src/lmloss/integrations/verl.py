@@ -390,13 +390,6 @@ def _option(config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _sequence_lengths(response_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's token count as verl divides by it, ``response_mask.sum(-1) + 1e-8`` with torch's type
-    promotion: for a bool or integer mask (verl's actor passes bool) the count is an integer tensor and the
-    sum is in torch's default float dtype, where the 1e-8 rounds away; a float mask keeps it."""
-    return (response_mask.sum(-1) + 1e-8).to(dtype)
-
-
 def _verl_token_weights(
     response_mask: torch.Tensor, loss_agg_mode: str, batch_info: Mapping[str, Any], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -427,8 +420,8 @@ def _verl_token_weights(
     if loss_agg_mode == "token-mean":
         return mask * (dp_size / count("batch_num_tokens", mask.sum()))
     n_seqs = count("global_batch_size", (mask.sum(-1) > 0).sum(dtype=dtype))
-    if loss_agg_mode == "seq-mean-token-mean":
-        mask = mask / _sequence_lengths(response_mask, dtype)[:, None]
+    if loss_agg_mode == "seq-mean-token-mean":  # verl's 1e-8 in each row's count, as verl adds it for this mask
+        mask = mask / lmloss.rl.aggregation.count_with_eps(mask.sum(-1), response_mask.dtype)[:, None]
     weights = mask * (dp_size / n_seqs)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         horizon = batch_info.get("loss_scale_factor")
@@ -512,8 +505,8 @@ def _policy_loss(
         mode = "seq-mean-token-mean" if loss_mode == "sapo" else loss_agg_mode  # verl fixes sapo's
         weights = _verl_token_weights(response_mask, mode, batch_info, log_prob.dtype)
     options = {} if loss_mode == "reinforce" else _objective_options(loss_mode, config)
-    loss, metrics = lmloss.rl.policy_loss(
-        log_prob, old_log_prob, advantages, mask, loss_mode=loss_mode, token_weights=weights,
+    loss, metrics = lmloss.rl.policy_loss(  # verl's mask as given: its dtype decides how verl adds its 1e-8
+        log_prob, old_log_prob, advantages, response_mask, loss_mode=loss_mode, token_weights=weights,
         rollout_is_weights=rollout_is_weights, **options,
     )  # fmt: skip
     return loss, _verl_metrics(loss_mode, metrics, log_prob, old_log_prob, mask)
@@ -534,7 +527,9 @@ def _bypass_mode(
             "config.policy_loss.rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', "
             f"got {loss_type!r}"
         )
-    mask = lmloss.rl.aggregation.check_mask(response_mask, log_prob.shape, name="response_mask")
+    lmloss.rl.aggregation.check_mask(response_mask, log_prob.shape, name="response_mask")
+    # the mask as verl has it, in response_mask's dtype throughout (verl's 1e-8 in a count follows it)
+    mask = response_mask
     level, threshold = (
         getattr(correction, "rollout_is", None),
         _option(correction, "rollout_is_threshold", 2.0),
@@ -567,7 +562,7 @@ def _bypass_mode(
                     "config.policy_loss.rollout_correction.rollout_rs_threshold is required with rollout_rs"
                 )
             mask = lmloss.rl.rejection_mask(current, old_log_prob, mask, rollout_rs=rollout_rs,
-                                            rollout_rs_threshold=rs_threshold)  # fmt: skip
+                                            rollout_rs_threshold=rs_threshold).to(response_mask.dtype)  # fmt: skip
     if loss_type == "reinforce":
         return _policy_loss(
             "reinforce", old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights

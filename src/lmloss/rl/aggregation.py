@@ -42,7 +42,8 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
     "prompt-mean-token-mean",
 )
-#: verl adds this to each sequence's token count in ``seq-mean-token-mean`` (kept for parity).
+#: verl adds this to a token count before dividing by it (``masked_mean``, ``agg_loss``'s
+#: ``seq-mean-token-mean``, GMPO's lengths), in a dtype that depends on the mask's: `count_with_eps`.
 SEQ_LEN_EPS = 1e-8
 #: The fields of `token_weights`' agreement vector; ``tokens``, ``seqs`` and ``prompts`` are this rank's
 #: counts (summed / maxed after the gather), every other field must be equal on every rank.
@@ -56,6 +57,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "check_ids",
     "check_mask",
+    "count_with_eps",
     "group_size",
     "sequence_index",
     "sequence_sums",
@@ -89,6 +91,20 @@ def check_mask(mask: object, shape: torch.Size | None = None, *, name: str = "ma
             f"weights as token_weights or rollout_is_weights)"
         )
     return mask != 0
+
+
+def count_with_eps(count: torch.Tensor, mask_dtype: torch.dtype) -> torch.Tensor:
+    """``count + SEQ_LEN_EPS`` as verl makes it from a mask of `mask_dtype`: ``mask.sum(...) + 1e-8``.
+
+    The sum of a floating mask is in the mask's dtype, and the 1e-8 is added there (float64: it stays). The
+    sum of a bool or integer mask is an integer tensor, and an integer tensor plus a Python float is in
+    torch's default float dtype (float32 unless changed), where ``count + 1e-8`` rounds back to ``count`` for
+    any count >= 1. `count`: the mask's count, in any floating dtype that holds it (lmloss counts in
+    float64). Returns the sum in the wider of `count`'s dtype and the dtype it was made in, so that a division
+    by it runs in that precision as verl's does.
+    """
+    eps_dtype = mask_dtype if mask_dtype.is_floating_point else torch.get_default_dtype()
+    return (count.to(eps_dtype) + SEQ_LEN_EPS).to(torch.promote_types(count.dtype, eps_dtype))
 
 
 def check_ids(name: str, t: object, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
@@ -226,7 +242,9 @@ def token_weights(
             * ``"token-mean"``: ``mask / n``;
             * ``"token-sum"``: ``mask``;
             * ``"seq-mean-token-sum"``: ``mask / S``;
-            * ``"seq-mean-token-mean"``: ``mask / ((len_s + 1e-8) * S)`` (verl's 1e-8);
+            * ``"seq-mean-token-mean"``: ``mask / ((len_s + 1e-8) * S)``, verl's 1e-8 added as verl adds it
+              for a mask of `mask`'s dtype (`count_with_eps`: kept for a float64 mask, rounded away for a
+              bool or integer one);
             * ``"seq-mean-token-sum-norm"``: ``mask / (S * horizon)`` (verl: the sequence mean of token sums
               divided by ``loss_scale_factor``; default ``T`` for ``[B, T]`` rows, required for packed
               tokens);
@@ -245,6 +263,12 @@ def token_weights(
     Returns:
         ``w``, 0 where `mask` is False; all 0 when the global batch has no valid token.
     """
+    return _token_weights(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, None)
+
+
+def _token_weights(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, mask_dtype) -> torch.Tensor:
+    """`token_weights`; `mask_dtype`: the dtype of the mask the caller was given, where `mask` is already
+    its bool (None: `mask`'s own), for verl's 1e-8 in ``seq-mean-token-mean`` (`count_with_eps`)."""
     check_group("group", group)
     distributed = group_size(group) > 1
     error: BaseException | None = None
@@ -287,7 +311,8 @@ def token_weights(
         )
     per_seq = 1.0 / at_least_one(n_seqs)
     if mode == "seq-mean-token-mean":
-        return (valid * (per_seq / (lengths + SEQ_LEN_EPS))[seq]).view(shape).to(dtype)
+        counts = count_with_eps(lengths, plan["mask_dtype"] if mask_dtype is None else mask_dtype)
+        return (valid * (per_seq / counts)[seq]).view(shape).to(dtype)
     if mode == "seq-mean-token-sum-norm":
         per_seq = per_seq / plan["horizon"]
     return (valid * per_seq).view(shape).to(dtype)
@@ -304,7 +329,7 @@ def _local_counts(mask, mode, cu_seqlens, horizon, prompt_ids, dtype, *, need_in
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
     if dtype not in DTYPE_CODES:
         raise TypeError(f"dtype must be a floating dtype {tuple(DTYPE_CODES)}, got {dtype!r}")
-    mask = check_mask(mask)
+    given, mask = mask, check_mask(mask)
     shape = mask.shape
     valid = mask.reshape(-1).to(torch.float64)
     if (
@@ -325,7 +350,8 @@ def _local_counts(mask, mode, cu_seqlens, horizon, prompt_ids, dtype, *, need_in
                 )
             horizon = shape[-1]
         resolved = check_horizon(horizon)
-    out = dict(valid=valid, shape=shape, horizon=resolved, seq=None, lengths=None, prompt_ids=None)
+    out = dict(valid=valid, shape=shape, horizon=resolved, seq=None, lengths=None, prompt_ids=None,
+               mask_dtype=given.dtype)  # fmt: skip
     tokens = valid.sum()
     seqs = torch.zeros((), dtype=torch.float64, device=mask.device)
     n_prompts = 0

@@ -189,7 +189,8 @@ def linear_policy_loss(
             gathered shape).
         mask: bool / 0-1, the labels' shape: which tokens count (verl's ``response_mask``), combined with
             ``labels != ignore_index`` (a token counts where both say so). None: the labels alone. Tokens that
-            do not count take no matmul and no softmax pass, and get exactly zero gradient.
+            do not count take no matmul and no softmax pass, and get exactly zero gradient. Its dtype (bool
+            without it) places verl's 1e-8 in a token count, as in `policy_loss`.
         old_logprobs, advantages, ref_logprobs, rollout_is_weights, token_weights: per-token, labels' shape.
         The policy options (`loss_mode`, clips, `loss_agg_mode`, KL, `entropy_coeff`, `tracker`, ...): as
         in `policy_loss`; the entropy is the LM head's own (at `temperature`), computed when
@@ -267,13 +268,13 @@ def linear_policy_loss(
         counting = labels.reshape(expected) != ignore_index
         if mask is not None:
             counting = counting & check_mask(mask, expected)
-        x = PerToken(
+        x = PerToken(  # the given mask's dtype, or bool (the labels'): verl's 1e-8 in a count follows it
             expected, counting, old_logprobs, advantages, ref_logprobs, None, rollout_is_weights, token_weights,
-            pg_mask=pg_mask, cov_selection=cov_selection,
+            pg_mask=pg_mask, cov_selection=cov_selection, mask_dtype=torch.bool if mask is None else mask.dtype,
         )  # fmt: skip
         if x.token_weights is None:
             x.token_weights = token_weights_of(x.mask.view(expected), loss_agg_mode, cu_seqlens, horizon,
-                                               x.advantages.dtype).reshape(-1)  # fmt: skip
+                                               x.advantages.dtype, x.mask_dtype).reshape(-1)  # fmt: skip
         state.update(objective=objective, x=x, mask=counting)
         n = math.prod(expected)
         out = {
@@ -356,8 +357,8 @@ def linear_policy_loss(
             lp = torch.where(mask, lp, 0.0)
             # left out of the objective, still in the denominators: the weights of the caller's mask
             aggregation = dict(loss_agg_mode="token-mean", token_weights=x.token_weights.view(p.shape))
-        return policy_loss(
-            lp, old_logprobs, advantages, mask, loss_mode=loss_mode, clip_ratio=clip_ratio,
+        return policy_loss(  # the mask in the caller's dtype (verl's 1e-8 in a count follows it)
+            lp, old_logprobs, advantages, mask.to(x.mask_dtype), loss_mode=loss_mode, clip_ratio=clip_ratio,
             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, **aggregation, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
             horizon=horizon, ref_logprobs=ref_logprobs, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
             entropy=ent, entropy_coeff=entropy_coeff, rollout_is_weights=rollout_is_weights, tracker=tracker,

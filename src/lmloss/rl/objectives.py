@@ -32,13 +32,14 @@ from lmloss.metrics import StatsTracker
 from lmloss.packing import as_cu_seqlens
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
+    _token_weights,
     check_ids,
     check_mask,
     check_packed_cu_seqlens,
+    count_with_eps,
     group_size,
     sequence_index,
     sequence_sums,
-    token_weights,
 )
 from lmloss.vocab_parallel import ProcessGroup
 
@@ -276,6 +277,7 @@ class Objective:
         seq_sums: torch.Tensor | None = None,
         selected: torch.Tensor | None = None,
         kl: torch.Tensor | None = None,
+        mask_dtype: torch.dtype = torch.bool,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss ``pg + kl_loss_coef * kl - entropy_coeff * H`` (0 where not `mask`) and its parts.
         `kl`: with ``kl_loss_type="full"``, each token's exact KL(pi || ref) over the vocabulary
@@ -283,7 +285,9 @@ class Objective:
 
         All tensors share one shape; inputs are already 0 where `mask` is False. `seq_sums`: each token's
         sequence's sums of `sequence_columns` (sequence objectives). `selected`: the `covariance_selection`
-        (``clip_cov``, ``kl_cov``). `pg_mask`: tokens whose policy term counts (bool). Returns ``(loss,
+        (``clip_cov``, ``kl_cov``). `pg_mask`: tokens whose policy term counts (bool). `mask_dtype`: the
+        dtype of the mask the caller gave (`mask` is its bool), for verl's 1e-8 in ``geo_mean``'s sequence
+        lengths (`lmloss.rl.aggregation.count_with_eps`). Returns ``(loss,
         parts)`` with parts ``pg``, ``kl`` (if used), ``ratio``, ``clipped``, ``clipped_lower`` (bool),
         ``log_ratio`` (``lp - old``).
         """
@@ -310,7 +314,7 @@ class Objective:
             ratio = log_s.detach().exp()
         elif mode == "geo_mean":
             assert seq_sums is not None
-            n = seq_sums[:, 2] + 1e-8
+            n = count_with_eps(seq_sums[:, 2], mask_dtype)  # verl: response_mask.sum(-1) + 1e-8
             pg = -(seq_sums[:, 1] / n) * torch.exp(seq_sums[:, 0] / n)
             if rollout_is_weights is not None:
                 pg = pg * torch.exp(seq_sums[:, 3] / n)
@@ -484,14 +488,18 @@ def check_weights_or_mode(token_weights: object, loss_agg_mode: str) -> None:
 
 
 class PerToken:
-    """The checked, masked per-token inputs of one call, flattened to ``[N]``."""
+    """The checked, masked per-token inputs of one call, flattened to ``[N]``: ``mask`` as bool, and
+    ``mask_dtype``, the dtype of the mask the caller gave (verl adds its 1e-8 to a count in a dtype that
+    depends on it: `lmloss.rl.aggregation.count_with_eps`)."""
 
     def __init__(
         self, shape, mask, old_logprobs, advantages, ref_logprobs, entropy, rollout_is_weights, weights, *,
-        pg_mask=None, cov_selection=None,
+        pg_mask=None, cov_selection=None, mask_dtype=None,
     ):  # fmt: skip
         self.shape = shape
         self.mask = check_mask(mask, shape).reshape(-1)
+        # the dtype of the mask the caller gave (None: `mask`'s), for verl's 1e-8 in a count (`count_with_eps`)
+        self.mask_dtype = mask.dtype if mask_dtype is None else mask_dtype
         named = dict(old_logprobs=old_logprobs, advantages=advantages, ref_logprobs=ref_logprobs,
                      entropy=entropy, rollout_is_weights=rollout_is_weights, token_weights=weights)  # fmt: skip
         for k, v in named.items():
@@ -604,8 +612,9 @@ def covariance_selection(
                 advantages.detach().reshape(-1)[valid].mean(),
                 logprobs.detach().reshape(-1)[valid].mean(),
             )
-        else:  # verl's masked_mean
-            mean_a, mean_lp = a.sum() / (n + 1e-8), lp.sum() / (n + 1e-8)
+        else:  # verl's masked_mean: its 1e-8 added to the count as verl adds it for this mask's dtype
+            count = count_with_eps(n, mask.dtype)
+            mean_a, mean_lp = a.sum() / count, lp.sum() / count
         n = int(n)
     selected = torch.zeros_like(valid)
     if n == 0:
@@ -863,7 +872,9 @@ def policy_loss(
         old_logprobs, advantages: same shape, constants (a tensor that requires grad is refused: pass
             ``.detach()``). old: the behaviour policy's log-probs (for ``"reinforce"`` / ``"gpg"`` only
             the ``ppo_kl`` metric reads them).
-        mask: bool / 0-1, same shape: which tokens count (verl's ``response_mask``).
+        mask: bool / 0-1, same shape: which tokens count (verl's ``response_mask``). Its dtype places verl's
+            1e-8 in a token count as verl does (kept for a float64 mask, rounded away for a bool one:
+            `lmloss.rl.aggregation.count_with_eps`).
         loss_mode: with ``r = exp(lp - old)`` (docs/rl.md has each formula):
             ``"vanilla"`` (PPO clip, asymmetric ``clip_ratio_low/high``, dual clip with `clip_ratio_c`),
             ``"gspo"`` (sequence ratio), ``"cispo"`` (stop-gradient clipped ratio on log pi), ``"reinforce"``
@@ -954,7 +965,7 @@ def policy_loss(
         if kl is not None:
             check_per_token("kl", kl, shape)
         if x.token_weights is None:
-            w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype)
+            w = token_weights_of(x.mask.view(shape), loss_agg_mode, cu_seqlens, horizon, logprobs.dtype, x.mask_dtype)
         else:
             w = x.token_weights
         given = (ref_logprobs, entropy, rollout_is_weights, token_weights, pg_mask, cov_selection, kl, cu_seqlens,
@@ -973,8 +984,8 @@ def policy_loss(
         seq_sums = sequence_sums(columns, seq, n_seq, cp_group)[seq]
     selected = x.cov_selection
     if objective.loss_mode in SELECTION_MODES and selected is None:
-        selected = covariance_selection(
-            lp.detach(), x.old_logprobs, x.advantages, x.mask, loss_mode=loss_mode, clip_ratio=clip_ratio,
+        selected = covariance_selection(  # the caller's mask (its dtype: verl's 1e-8 in the means' count)
+            lp.detach(), x.old_logprobs, x.advantages, mask.reshape(-1), loss_mode=loss_mode, clip_ratio=clip_ratio,
             clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_cov_ratio=clip_cov_ratio,
             clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, generator=generator,
         )  # fmt: skip
@@ -983,14 +994,14 @@ def policy_loss(
     per_tok, parts = objective.per_token(
         lp, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,
         rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask, seq_sums=seq_sums, selected=selected, kl=kl,
+        mask_dtype=x.mask_dtype,
     )  # fmt: skip
     loss = (w * per_tok).sum()
     return loss, record_metrics(parts, x.mask, w.detach(), x.entropy, tracker)
 
 
-def token_weights_of(mask, loss_agg_mode, cu_seqlens, horizon, dtype) -> torch.Tensor:
-    """`token_weights` of one batch (no group), flat, in at least `dtype`'s precision."""
+def token_weights_of(mask, loss_agg_mode, cu_seqlens, horizon, dtype, mask_dtype) -> torch.Tensor:
+    """`token_weights` of one batch (no group), flat, in at least `dtype`'s precision; `mask` (bool) made
+    from a mask of `mask_dtype` (verl's 1e-8 in ``seq-mean-token-mean``'s lengths follows it)."""
     wdtype = torch.promote_types(dtype, torch.float32)
-    return token_weights(mask, loss_agg_mode, cu_seqlens=cu_seqlens, horizon=horizon, dtype=wdtype).reshape(
-        -1
-    )
+    return _token_weights(mask, loss_agg_mode, cu_seqlens, None, horizon, None, wdtype, mask_dtype).reshape(-1)

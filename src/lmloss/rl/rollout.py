@@ -34,8 +34,8 @@ from lmloss._validate import check_group
 from lmloss.agreement import agree_over_group
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
-    SEQ_LEN_EPS,
     check_mask,
+    count_with_eps,
     group_size,
     sequence_index,
     sequence_sums,
@@ -120,24 +120,28 @@ def _is_weights(
         log_ratio, lengths = sums[:, 0][seq], sums[:, 1]
     w = torch.where(valid, weigh(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()), 0.0)
     if batch_normalize:
-        w = (w / _batch_mean(w, valid, seq, lengths, group)).to(w.dtype)
+        w = (w / _batch_mean(w, valid, seq, lengths, group, mask.dtype)).to(w.dtype)
     return w.view(shape)
 
 
-def _batch_mean(w, valid, seq, lengths, group) -> torch.Tensor:
+def _batch_mean(w, valid, seq, lengths, group, mask_dtype) -> torch.Tensor:
     """The weights' mean over the global batch, as verl's ``rollout_is_batch_normalize`` (1 when it is <= 1e-8):
     over valid tokens (token level), or over sequences with a valid token (sequence level, a sequence's weight
-    being its token mean with verl's 1e-8 in the count). A sequence cut over CP ranks counts once: each piece
-    contributes its share of the sequence's valid tokens."""
+    being its token mean). A sequence cut over CP ranks counts once: each piece contributes its share of the
+    sequence's valid tokens. verl's 1e-8, added as verl adds it for a mask of `mask_dtype` (`count_with_eps`),
+    is in each sequence's count, and in the token count on one process (`group` None: verl's ``masked_mean``;
+    over a group its ``distributed_masked_mean`` adds none)."""
     w = w.double()  # the sums in float64 whatever the log-probs' dtype (bf16 sums of thousands drift)
     if seq is None:
         num_den = torch.stack([torch.where(valid, w, 0.0).sum(), valid.sum().double()])
     else:
         total = lengths[seq].double()  # the sequence's valid tokens over every CP rank
         share = torch.where(valid, 1.0 / total.clamp(min=1.0), 0.0)
-        seq_weight = w * total / (total + SEQ_LEN_EPS)  # verl: masked_mean over the sequence's tokens
+        seq_weight = w * total / count_with_eps(total, mask_dtype)  # verl: masked_mean over the sequence
         num_den = torch.stack([(share * seq_weight).sum(), share.sum()])
     all_reduce_sum_(num_den, group)
+    if seq is None and group is None:
+        num_den[1] = count_with_eps(num_den[1], mask_dtype)
     mean = num_den[0] / num_den[1].clamp(min=1e-300)
     return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
@@ -163,7 +167,8 @@ def truncated_is_weights(
     `batch_normalize`: divide by the weights' mean over the global batch (verl's
     ``rollout_is_batch_normalize``: over valid tokens, or over sequences at ``level="sequence"``), taken over
     `group` (the DP group, or DP x CP when the tokens are CP-split; None: this call's tokens). Call once per
-    step on each rank's whole share of the batch, like `token_weights`.
+    step on each rank's whole share of the batch, like `token_weights`. verl's 1e-8 enters the counts as in
+    verl, in a dtype that follows `mask`'s (`_batch_mean`).
     """
 
     def bounds():
@@ -273,9 +278,10 @@ def rejection_mask(
 
     With ``r = clamp(old - rollout, +-20)`` at each valid token: ``k1 = -r``, ``k2 = r^2 / 2``,
     ``k3 = exp(r) - 1 - r``. ``token_kX`` judges each token; ``seq_sum_kX`` / ``seq_mean_kX`` /
-    ``seq_max_kX`` judge a sequence by the sum / mean (verl's 1e-8 in the count) / max of its valid tokens'
-    ``kX`` and keep or drop all of it. k1 criteria keep ``lo <= ratio`` bounds on ``exp(k1)``, the others
-    ``kX <= threshold``. Every criterion of the comma-separated `rollout_rs` must pass.
+    ``seq_max_kX`` judge a sequence by the sum / mean (verl's 1e-8 in the count, added as verl adds it for
+    `mask`'s dtype: `lmloss.rl.aggregation.count_with_eps`) / max of its valid tokens' ``kX`` and keep or
+    drop all of it. k1 criteria keep ``lo <= ratio`` bounds on ``exp(k1)``, the others ``kX <= threshold``.
+    Every criterion of the comma-separated `rollout_rs` must pass.
 
     Args:
         old_logprobs, rollout_logprobs: float ``[B, T]`` or packed ``[N]``, the trainer's and the rollout
@@ -343,7 +349,7 @@ def rejection_mask(
         elif kind == "seq_sum":
             stat = sums[:, 1 + j][seq]
         elif kind == "seq_mean":
-            stat = (sums[:, 1 + j] / (sums[:, 0] + SEQ_LEN_EPS))[seq]
+            stat = (sums[:, 1 + j] / count_with_eps(sums[:, 0], mask.dtype))[seq]  # verl: masked_mean
         else:
             stat = maxes[:, j - 1][seq]
         keep &= (stat >= lo) & (stat <= hi)
