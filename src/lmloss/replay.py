@@ -130,7 +130,9 @@ class SlotsHead:
     def values(self, rows) -> torch.Tensor:
         local = rows.take(self.slots.local)
         if isinstance(self.base, LogitsHead):
-            return rows.take(self.base.logits).gather(1, local)
+            if rows.contiguous:
+                return self.base.logits[rows.start : rows.end].gather(1, local)
+            return self.base.logits[rows.index[:, None], local]  # the slots alone, not the rows
         b = self.base
         ids, inverse = torch.unique(local, return_inverse=True)
         w = b.weight[ids]
@@ -165,9 +167,8 @@ class SlotsHead:
             x = grads["logits"]
             if rows.contiguous:
                 x[rows.start : rows.end].scatter_add_(1, local, g.to(x.dtype))
-            else:  # each row of the chunk is its own: the slots' sum written into the zero rows
-                rows.put_(x, torch.zeros((rows.count, x.shape[1]), dtype=x.dtype, device=x.device)
-                          .scatter_add_(1, local, g.to(x.dtype)))  # fmt: skip
+            else:  # into the slots of those rows alone
+                x.index_put_((rows.index[:, None], local), g.to(x.dtype), accumulate=True)
             return
         b = self.base
         acc = torch.promote_types(b.weight.dtype, torch.float32)
