@@ -241,9 +241,12 @@ class ChunkScratch:
     def __init__(self, rows: int, cols: int, device: torch.device) -> None:
         self.rows, self.cols, self.device = rows, cols, device
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        #: how many views were handed out: what one call left in the buffers is still there while it is unchanged
+        self.handed_out = 0
 
     def get(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A ``[rows, cols]`` view of the buffer `name` (made on first use at the full chunk size)."""
+        self.handed_out += 1
         buf = self._buffers.get((name, dtype))
         if buf is None:
             buf = torch.empty((self.rows, self.cols), dtype=dtype, device=self.device)

@@ -43,6 +43,7 @@ __all__ = [
     "softmax_partials",
     "block_partials",
     "softmax_grad_",
+    "difference_sums",
     "cross_entropy_loss_and_grad_",
     "block_config",
     "cross_entropy_config",
@@ -251,62 +252,106 @@ def _softmax_partials_kernel(
     tl.store(out_row + 4, tl.sum(sum_y, 0))
 
 
-# Contract (invariant mode, `lmloss.kernels`): program (row, g) takes the blocks g * GROUP ... g * GROUP + GROUP - 1
-# of BLOCK columns each (local columns [b * BLOCK, (b + 1) * BLOCK), those >= valid or, with KEEP, x < keep take no
-# part) as one [GROUP, BLOCK] tile, and writes out[row, b, 0:4] (fp32) = (m_b, s_b, t_b, sum_y_b): the block's max
-# of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0), sum y. Each block is
-# reduced along axis 1 of that tile, whose shape and layout (GROUP, BLOCK, num_warps) are constants: the order
-# of a block's sum depends on nothing else (not the row, the block's position, the width or the chunk).
-# Program (row, 0) also writes target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
+@triton.jit
+def _fixed(v):
+    # round(v) as int32 for |v| < 2**22, in two full-rate instructions: adding 1.5 * 2**23 rounds v to an
+    # integer (ties to even), whose bits then sit at the bottom of the sum's mantissa
+    return (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE: tl.constexpr,
+                SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr,
+                FAST: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    # One [GROUP, BLOCK] tile of a row: block b0 + i is its row i. Every sum is an int32 sum of rounded fixed-point
+    # terms (exact: no order, so no layout, alignment or code path changes a bit), stored as fp32.
+    y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+    if KEEP:
+        mask = mask & (x.to(tl.float32) >= keep)
+    if MASKED or KEEP:
+        y = tl.where(mask, y, -float("inf"))
+    m = tl.max(y, 1)
+    shift = tl.where(m == -float("inf"), 0.0, m)  # an empty block: every exp is 0
+    d = y - shift[:, None]
+    e = _exp2(d * 1.4426950408889634, FAST)  # in [0, 1], 1 at the block's max; NaN at a NaN y, or y = m = +inf
+    s = tl.sum(_fixed(e * 4194304.0), 1).to(tl.float32) * 2.384185791015625e-07  # 2**22 fraction bits
+    flag = tl.sum(e, 1)  # order-dependent, but NaN (the block's sums are NaN) in any order or in none
+    bad = flag != flag
+    blk = b0 + tl.arange(0, GROUP)
+    out = out_ptr + (row * n_blocks + blk) * 4
+    in_row = blk < n_blocks
+    tl.store(out + 0, m, mask=in_row)
+    tl.store(out + 1, tl.where(bad, float("nan"), s), mask=in_row)
+    if ENTROPY:  # e (y - m) in [-1/e, 0]; 0 where e is 0 (no 0 * -inf)
+        t = tl.sum(_fixed(e * tl.maximum(d, -3.4028234663852886e38) * 4194304.0), 1).to(tl.float32)
+        tl.store(out + 2, tl.where(bad, float("nan"), t * 2.384185791015625e-07), mask=in_row)
+    if SUM_LOGITS:  # in fixed point below the block's largest |y|'s binary exponent (22 bits under it)
+        yk = tl.where(mask, y, 0.0)
+        big = tl.max(tl.abs(yk), 1)
+        expo = (big.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        k = tl.minimum(148 - expo, 127)  # |y| * 2**k < 2**22 (a zero or subnormal block: 2**127)
+        up = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        total = tl.sum(_fixed(yk * up[:, None]), 1).to(tl.float32) * down
+        # a NaN or infinite y: the float sum of the infinities alone (inf, -inf or NaN in any order) or NaN
+        odd = tl.sum(tl.where((tl.abs(yk) == float("inf")) | (yk != yk), yk, 0.0), 1)
+        total = tl.where(odd == 0.0, total, odd)
+        tl.store(out + 3, total, mask=in_row)
+
+
+# Contract (invariant mode, `lmloss.kernels`): one program per row walks its blocks of BLOCK columns (local columns
+# [b * BLOCK, (b + 1) * BLOCK); those >= valid or, with KEEP, x < keep take no part) GROUP at a time, in an unmasked
+# main loop over whole groups and one masked group after it, and writes out[row, b, 0:4] (fp32) = (m_b, s_b, t_b,
+# sum_y_b): the block's max of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0),
+# sum y. The sums are of fixed-point terms (2**-22 units of exp(y - m_b); sum y in 2**-22 units of the block's
+# largest |y|'s binary octave) in int32, exact: a block's sums depend on its own columns alone, whatever the row,
+# the chunk, the shard, the alignment or the compiled layout. A block with a NaN y, or a +inf y, has NaN s_b and
+# t_b; sum_y_b is NaN / +-inf as a float sum of its non-finite y would be. Also target[row] = y at the label if
+# owned (-inf if KEEP drops it), else 0.
+# ALIGN: elements per 16 bytes when every row starts 16-byte aligned (base and row stride), else 1.
 @triton.jit
 def _block_partials_kernel(
     x_ptr, x_row_stride, labels_ptr, out_ptr, target_ptr, valid, n_blocks, vocab_start, scale, inv_cap,
     cap_scale, keep_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    x_row = x_ptr + row * x_row_stride
+    x_row = x_ptr + tl.multiple_of(row * x_row_stride, ALIGN)
     keep = -float("inf")
     if KEEP:
         keep = tl.load(keep_ptr + row)
-    if TARGET:  # read by every program, stored by the row's first
+    if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
-        x_t = tl.load(x_row + local, mask=owned & (g == 0), other=0.0)
+        x_t = tl.load(x_row + local, mask=owned, other=0.0)
         y_t, _ = transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
-        tl.store(target_ptr + row, tl.where(owned, y_t, 0.0), mask=g == 0)
-    blk = g * GROUP + tl.arange(0, GROUP)
-    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = cols < valid
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
-    y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-    if KEEP:
-        mask = mask & (x.to(tl.float32) >= keep)
-    y = tl.where(mask, y, -float("inf"))
-    m = tl.max(y, axis=1)
-    d = y - tl.where(m == -float("inf"), 0.0, m)[:, None]  # an empty block: exps of -inf, 0
-    e = _exp2(d * 1.4426950408889634, FAST)
-    s = tl.sum(e, axis=1)
-    out = out_ptr + (row * n_blocks + blk) * 4
-    in_row = blk < n_blocks
-    tl.store(out + 0, m, mask=in_row)
-    tl.store(out + 1, s, mask=in_row)
-    if ENTROPY:
-        tl.store(out + 2, tl.sum(e * tl.maximum(d, -3.4028234663852886e38), axis=1), mask=in_row)  # 0 where e = 0
-    if SUM_LOGITS:
-        tl.store(out + 3, tl.sum(tl.where(mask, y, 0.0), axis=1), mask=in_row)
+        tl.store(target_ptr + row, tl.where(owned, y_t, 0.0))
+    cols = tl.arange(0, GROUP)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    n_main = valid // (GROUP * BLOCK) * GROUP  # blocks in whole groups of whole blocks
+    for b0 in range(0, n_main, GROUP):
+        x = tl.load(x_row + b0 * BLOCK + cols)
+        _block_sums(x, cols >= 0, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP,
+                    ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False)  # fmt: skip
+    for b0 in range(n_main, n_blocks, GROUP):
+        mask = b0 * BLOCK + cols < valid
+        x = tl.load(x_row + b0 * BLOCK + cols, mask=mask, other=0.0)
+        _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP, ENTROPY,
+                    SUM_LOGITS, KEEP, FAST, GROUP, True)  # fmt: skip
 
 
 @triton.jit
-def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
-                FAST: tl.constexpr):  # fmt: skip
+def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, dz, pz, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+                FAST: tl.constexpr, DIFF: tl.constexpr):  # fmt: skip
     # One block of the gradient from y (x after transform, in fp32) with the row's coefficients already
-    # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)), times (1 - th^2).
-    # j_label: whether each lane holds the label's column. lse2 = lse * log2(e).
+    # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)) (+ pz p dz, the folded
+    # difference term: dz = x - z), times (1 - th^2). j_label: whether each lane holds the label's column.
+    # lse2 = lse * log2(e).
+    if DIFF:
+        pa = pa + pz * dz
     if ENTROPY:
         logp2 = x * 1.4426950408889634 - lse2
         p = _exp2(logp2, FAST)
@@ -325,30 +370,38 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constex
 # valid <= j < n_cols, which get exactly 0). coef[row] = (a, b, c, d); with logp = y - lse[row], P = exp(logp),
 # H = entropy[row]: g = a*P + d*P*(logp + H) [P > 0] + b [j owns the label] + c, times dy/dx; a row whose four
 # coefficients are all 0 gets exactly 0 (a select after the math: the x loads never wait on the coefficients).
-# ALIGN as in _softmax_partials_kernel, for x and out together (the wrapper checks they share their alignment).
+# DIFF (the folded full KL, `lmloss.kernels`; no softcap): g also has zc[row] * P * (x - z) for a second chunk z of
+# the same columns, and a row is live where zc is nonzero too.
+# ALIGN as in _softmax_partials_kernel, for x, out (and z) together (the wrapper checks they share their alignment).
 @triton.jit
 def _softmax_grad_kernel(
     x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, lse_ptr, entropy_ptr, coef_ptr,
-    n_cols, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr,
+    n_cols, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr, z_ptr, z_row_stride, zc_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
-    ALIGN: tl.constexpr, FAST: tl.constexpr, KEEP: tl.constexpr,
+    ALIGN: tl.constexpr, FAST: tl.constexpr, KEEP: tl.constexpr, DIFF: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     x_start = row * x_row_stride
     o_start = row * out_row_stride
+    z_start = row * z_row_stride
     head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
     o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
+    z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
     a = tl.load(coef_ptr + row * 4 + 0)
     b = tl.load(coef_ptr + row * 4 + 1)
     c = tl.load(coef_ptr + row * 4 + 2)
     d = tl.load(coef_ptr + row * 4 + 3)
-    live = (a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0)
-    # A row without p terms (a = d = 0) takes lse = inf, so p = 0 and its lse (maybe NaN) reaches nothing;
+    zc = 0.0
+    if DIFF:
+        zc = tl.load(zc_ptr + row)
+    live = (a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0) | (zc != 0.0)
+    # A row without p terms (a = d = zc = 0) takes lse = inf, so p = 0 and its lse (maybe NaN) reaches nothing;
     # likewise H only where d != 0: zero coefficients add exactly 0 without a select per element.
-    lse2 = tl.where((a == 0.0) & (d == 0.0), float("inf"), tl.load(lse_ptr + row) * 1.4426950408889634)
+    no_p = (a == 0.0) & (d == 0.0) & (zc == 0.0)
+    lse2 = tl.where(no_p, float("inf"), tl.load(lse_ptr + row) * 1.4426950408889634)
     h = 0.0
     if ENTROPY:
         h = tl.where(d != 0.0, tl.load(entropy_ptr + row), 0.0)
@@ -358,6 +411,7 @@ def _softmax_grad_kernel(
     pb = b * k
     pc = c * k
     pd = d * k
+    pz = zc * k
     label = -1
     if LABELS:  # compared in 32 bits; a label outside [0, valid) matches no column
         local = tl.load(labels_ptr + row) - vocab_start
@@ -369,7 +423,11 @@ def _softmax_grad_kernel(
     for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
         x = tl.load(x_main + kb + offs)
         y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+        dz = 0.0
+        if DIFF:  # no softcap: th is x in fp32
+            dz = th - tl.load(z_main + kb + offs).to(tl.float32)
+        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY, FAST,
+                        DIFF)  # fmt: skip
         if KEEP:
             g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
         tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
@@ -381,11 +439,48 @@ def _softmax_grad_kernel(
             in_vocab = (j < n_edge) & (cols < valid)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+            dz = 0.0
+            if DIFF:
+                dz = th - tl.load(z_ptr + z_start + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY, FAST, DIFF)
             if KEEP:
                 in_vocab = in_vocab & (x.to(tl.float32) >= keep)
             g = tl.where(in_vocab, tl.where(live, g, 0.0), 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge)
+
+
+# Contract (the folded full KL's sums, `lmloss.kernels`): one program per row writes out[row] (fp32) = sum over the
+# valid columns of P_j (x_j - z_j), P = exp(y - lse[row]), y = scale * x (no softcap); x and z of any float dtype.
+# The row is walked like _softmax_partials_kernel's (unmasked aligned main loop for x and z together, one masked
+# edge), each lane keeping its own sum, reduced once.
+@triton.jit
+def _difference_sums_kernel(
+    x_ptr, x_row_stride, z_ptr, z_row_stride, lse_ptr, out_ptr, valid, scale,
+    SCALE: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_start = row * x_row_stride
+    z_start = row * z_row_stride
+    lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+    k2 = 1.4426950408889634 * (scale if SCALE else 1.0)
+    head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
+    x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
+    z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
+    offs = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for kb in range(0, n_main, BLOCK_V):
+        x = tl.load(x_main + kb + offs).to(tl.float32)
+        z = tl.load(z_main + kb + offs).to(tl.float32)
+        acc += _exp2(x * k2 - lse2, FAST) * (x - z)
+    n_edge = valid - n_main
+    for e0 in range(0, n_edge, BLOCK_V):
+        j = e0 + offs
+        mask = j < n_edge
+        cols = _edge_cols(j, head, n_main)
+        x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + z_start + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.where(mask, _exp2(x * k2 - lse2, FAST) * (x - z), 0.0)
+    tl.store(out_ptr + row, tl.sum(acc, 0))
 
 
 # Contract: a persistent grid; program p takes rows p, p + programs, ... of x [c, n_cols] (columns [0, valid) are
@@ -468,7 +563,8 @@ def _cross_entropy_loss_grad_kernel(
             kb = n_main - BLOCK_V - i
             x = tl.load(x_main + kb + offs, eviction_policy="evict_first")
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, 0.0, 0.0, SOFTCAP, False, FAST,
+                            False)  # fmt: skip
             tl.store(o_main + kb + offs, g.to(out_ptr.dtype.element_ty), eviction_policy="evict_first")
         n_edge = n_cols - n_main  # the head, the tail and the padded columns (zeros); all of an ignored row
         for e0 in range(0, n_edge, BLOCK_V):
@@ -477,7 +573,7 @@ def _cross_entropy_loss_grad_kernel(
             in_vocab = (j < n_edge) & (cols < n_read)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first")
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, 0.0, 0.0, SOFTCAP, False, FAST, False)
             g = tl.where(in_vocab, g, 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge,
                      eviction_policy="evict_first")  # fmt: skip
@@ -602,8 +698,8 @@ def softmax_partials(
     return out
 
 
-#: The invariant kernel's tile: BLOCK_GROUP blocks of INVARIANT_BLOCK columns per program, at BLOCK_WARPS warps.
-#: Constants: the order of a block's sums follows from them alone (changing one changes the invariant bits).
+#: The invariant kernel's tile: BLOCK_GROUP blocks of INVARIANT_BLOCK columns per step of a row's walk, at
+#: BLOCK_WARPS warps (8 bf16 columns, 16 bytes, per thread). Tuning only: the blocks' sums are exact integer sums.
 BLOCK_GROUP, BLOCK_WARPS = 8, 4
 
 
@@ -618,8 +714,9 @@ def block_partials(
     keep_min: torch.Tensor | None = None,
 ) -> BlockPartials:
     """The invariant mode's per-block sums of a chunk (`lmloss.kernels.BlockPartials`): blocks of
-    `INVARIANT_BLOCK` columns over this shard's valid ones, each reduced in an order fixed by the kernel's
-    constant tile (`BLOCK_GROUP` x `INVARIANT_BLOCK`, `BLOCK_WARPS` warps). Arguments as in `softmax_partials`."""
+    `INVARIANT_BLOCK` columns over this shard's valid ones, one program per row walking them, each block's sums
+    exact sums of fixed-point terms (`_block_partials_kernel`): the same bits for a block whatever the chunk, the
+    shard, the rows' alignment or the compiled layout. Arguments as in `softmax_partials`."""
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
     out = torch.zeros((rows, n_blocks, 4), dtype=torch.float32, device=x.device)
@@ -627,10 +724,12 @@ def block_partials(
     if rows and n_blocks:
         values, flags = math_args(math, x)
         with _device_guard(x):
-            _block_partials_kernel[(rows, triton.cdiv(n_blocks, BLOCK_GROUP))](
+            align = alignment(x) if x.stride(0) % (16 // x.element_size()) == 0 else 1  # every row, not only the first
+            _block_partials_kernel[(rows,)](
                 x, x.stride(0), labels if target else x, out, tgt, math.valid, n_blocks, math.vocab_start, *values,
                 tgt if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
-                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, num_warps=BLOCK_WARPS, **flags,
+                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, ALIGN=align,
+                num_warps=BLOCK_WARPS, **flags,
             )  # fmt: skip
     return BlockPartials(
         out[:, :, 0], out[:, :, 1], out[:, :, 2] if entropy else None, out[:, :, 3] if sum_logits else None, tgt
@@ -649,6 +748,7 @@ def softmax_grad_(
     block_v: int | None = None,
     splits: int | None = None,
     keep_min: torch.Tensor | None = None,
+    difference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write ``d loss / d x`` of a chunk into ``out`` and return it.
 
@@ -670,9 +770,21 @@ def softmax_grad_(
             too few rows to fill the GPU.
         keep_min: ``[c]`` fp32 kept-set thresholds (as in ``softmax_partials``): columns with
             ``x < keep_min`` get exactly 0; None for all columns.
+        difference: ``(z, z_coef)``, the folded full KL (`lmloss.kernels`): a second chunk ``z`` of x's shape (any
+            float dtype, ``z.stride(1) == 1``) and ``z_coef [c]`` fp32; each valid column also gets
+            ``z_coef * P * (x - z)`` (before dy/dx). No softcap.
     """
     _check_rows("x", x, _FLOATS)
     _check_rows("out", out, _FLOATS)
+    z = zc = None
+    if difference is not None:
+        z, zc = difference
+        _check_rows("z", z, _FLOATS)
+        if z.shape != x.shape:
+            raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+        if math.softcap:
+            raise ValueError("the folded difference term takes no softcap (dy/dx would not be the scale)")
+        zc = _row_vector("z_coef", zc, x.shape[0], (torch.float32,))
     rows, n_cols = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -698,8 +810,37 @@ def softmax_grad_(
         _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
             lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start, *values,
-            lse if keep_min is None else keep_min, ENTROPY=entropy is not None, LABELS=labels is not None,
-            BLOCK_V=block, ALIGN=alignment(x, out), KEEP=keep_min is not None, num_warps=warps, **flags,
+            lse if keep_min is None else keep_min, x if z is None else z, 0 if z is None else z.stride(0),
+            lse if zc is None else zc, ENTROPY=entropy is not None, LABELS=labels is not None, BLOCK_V=block,
+            ALIGN=alignment(x, out) if z is None else alignment(x, out, z), KEEP=keep_min is not None,
+            DIFF=z is not None, num_warps=warps, **flags,
+        )  # fmt: skip
+    return out
+
+
+def difference_sums(
+    x: torch.Tensor, z: torch.Tensor, lse: torch.Tensor, math: ChunkMath, *, block_v: int | None = None
+) -> torch.Tensor:
+    """Per-row ``sum_j P_j (x_j - z_j)`` over the valid columns, ``P = exp(scale * x - lse)`` (the folded full
+    KL's sums, `lmloss.kernels`): fp32 ``[c]``. `x`, `z`: ``[c, V_local]`` of any float dtypes, unit column
+    stride; `lse` ``[c]`` fp32; no softcap."""
+    _check_rows("x", x, _FLOATS)
+    _check_rows("z", z, _FLOATS)
+    if z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if math.softcap:
+        raise ValueError("difference_sums takes no softcap")
+    rows = x.shape[0]
+    lse = _row_vector("lse", lse, rows, (torch.float32,))
+    out = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out
+    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    values, flags = math_args(math, x)
+    with _device_guard(x):
+        _difference_sums_kernel[(rows,)](
+            x, x.stride(0), z, z.stride(0), lse, out, math.valid, values[0], SCALE=flags["SCALE"], BLOCK_V=block,
+            ALIGN=alignment(x, z), FAST=flags["FAST"], num_warps=warps,
         )  # fmt: skip
     return out
 
@@ -886,6 +1027,20 @@ class TritonKernels:
 
     def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
         return softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
+
+    def can_fold_difference(self, x, z, z_is_scratch: bool) -> bool:
+        """The folded gradient reads both chunks as they are (any float dtypes) and writes neither."""
+        return True
+
+    def softmax_grad_with_difference_(self, x, labels, z, lse, math, finish, out, *, uniform_term=True):
+        """The contract's folded gradient (`lmloss.kernels`): the sums ``sum P (x - z)`` (one kernel reading x
+        and z), ``coef, z_coef, entropy = finish(sums)``, then `softmax_grad_` with the difference term (the
+        gradient kernel reads z beside x). Returns the sums; `z` is not written."""
+        sums = difference_sums(x, z, lse.to(torch.float32), math)
+        coef, z_coef, entropy = finish(sums)
+        softmax_grad_(x, labels, lse.to(torch.float32), None if entropy is None else entropy.to(torch.float32),
+                      coef.to(torch.float32), math, out, difference=(z, z_coef.to(torch.float32)))  # fmt: skip
+        return sums
 
     def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True, keep_min=None):
         """Partials, then ``finish(partials) -> (result, coef, lse[, entropy])`` (TP combine, output math),
