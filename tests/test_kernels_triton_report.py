@@ -42,8 +42,9 @@ def test_sass_reading_finds_innermost_streaming_loops_and_their_access_widths():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_report_for_width_50257_has_no_spills_and_16_byte_main_loops(tmp_path):
-    """Every kernel the ops launch, with every option on (temperature, softcap, entropy, smoothing, z-loss),
-    compiles for sm_90 without spills, and every main loop moves x (and the gradient) 16 bytes at a time."""
+    """Every kernel the ops launch (the full KL's, the kept set's search and the invariant mode's included), with
+    every option on (temperature, softcap, entropy, smoothing, z-loss), compiles for sm_90 without spills, and
+    every main loop moves x (and the gradient) 16 bytes at a time."""
     rows = report_for_h100(["--vocab", "50257", "--all-options"], tmp_path)
     roles = {(r["kernel"], r["role"]) for r in rows}
     assert roles == {
@@ -51,7 +52,27 @@ def test_report_for_width_50257_has_no_spills_and_16_byte_main_loops(tmp_path):
         ("softmax_grad", "backward"),
         ("cross_entropy_loss_and_grad", "cross_entropy_pass1"),
         ("cross_entropy_loss_and_grad", "cross_entropy_pass2"),
+        ("softmax_grad", "backward_full_kl"),
+        ("difference_sums", "full_kl_sums"),
+        ("search_histogram", "top_k_histogram"),
+        ("search_histogram", "top_p_histogram"),
+        ("search_candidates", "top_p_candidates"),
+        ("block_partials", "invariant_forward"),
     }
     for r in rows:
         assert r["vocab"] == "50257" and r["spills"] == 0 and r["vectorized_main_loop"], r
         assert r["instructions_per_element"] > 0 and r["registers"] > 0, r
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_new_kernels_fit_the_h100_issue_budget_for_their_bytes(tmp_path):
+    """Issue #33's kernels at the last TP=8 shard of Qwen 2's padded vocabulary (18992 columns, 18699 of them
+    vocabulary: a width no block divides), default options: each main loop issues no more instructions per element
+    than an H100 issues while its memory moves the loop's bytes."""
+    roles = ["backward_full_kl", "full_kl_sums", "top_k_histogram", "top_p_histogram", "top_p_candidates",
+             "invariant_forward"]  # fmt: skip
+    rows = report_for_h100(["--vocab", "151936/tp8-last", "--role", *roles], tmp_path)
+    assert sorted(r["role"] for r in rows) == sorted(roles)
+    for r in rows:
+        assert r["spills"] == 0 and r["vectorized_main_loop"] and r["within_budget"], r
+        assert r["budget"] == pytest.approx(r["bytes_per_element"] * 132 * 4 * 32 * 1.7e9 / 3.0e12, abs=0.05), r

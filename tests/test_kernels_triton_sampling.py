@@ -41,7 +41,8 @@ def key_bins(y: torch.Tensor) -> torch.Tensor:
 
 def mass_bins(e64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The bins of float64 masses in [0, 1] (exponent and 5 mantissa bits of their fp32 value, the 64 octaves
-    below 1, clamped) and whether each value lies within a relative 1e-6 of a bin edge (either bin is right)."""
+    below 1, clamped) and whether each value lies within a relative 1e-6 of a bin edge (the kernels make e as
+    exp2(x * scale * log2 e - ...): either bin is right)."""
     def bin_of(v):
         bits = v.float().contiguous().view(torch.int32).long()
         return ((bits >> 18) - ((127 - 64) << 5)).clamp(0, 2047)
@@ -59,11 +60,12 @@ def test_histogram_and_candidates_by_key_over_strided_padded_rows(dtype):
     base[:, 3 + 190 :] = float("nan")
     x = base[:, 3:206]
     math_ = ChunkMath(vocab_start=0, valid=190, scale=1 / 0.7)
-    y = x[:, :190].float() * math_.scale
-    lo = torch.tensor([-INF, 0.0, -1.5, 2.0, -INF, 100.0], device=DEVICE)
+    xv = x[:, :190].float()
+    y = xv * math_.scale
+    lo = torch.tensor([-INF, 0.0, -1.5, 2.0, -INF, 100.0], device=DEVICE)  # thresholds on x
     counts, _ = ts.histogram(x, math_, lo, None, ts.MODE_KEY, block_v=32)
-    inside = y >= lo[:, None]
-    ref = torch.stack([torch.bincount(key_bins(y[r])[inside[r]], minlength=ts.NBINS) for r in range(6)])
+    inside = xv >= lo[:, None]
+    ref = torch.stack([torch.bincount(key_bins(xv[r])[inside[r]], minlength=ts.NBINS) for r in range(6)])
     assert torch.equal(counts.long(), ref)
     assert counts[5].sum() == 0  # nothing at or above 100
 
@@ -71,7 +73,7 @@ def test_histogram_and_candidates_by_key_over_strided_padded_rows(dtype):
     b = ref.argmax(1).to(torch.int32)
     for hi, width in ((b, 64), (b + 1, 64), (b, 2)):
         values, count, _ = ts.candidates(x, math_, lo, None, b, hi.to(torch.int32), width, ts.MODE_KEY, block_v=32)
-        bins = key_bins(y)
+        bins = key_bins(xv)
         for r in range(6):
             want = y[r][inside[r] & (bins[r] >= b[r]) & (bins[r] <= hi[r])].sort(descending=True).values
             assert count[r] == want.numel()
@@ -86,13 +88,13 @@ def test_histogram_and_candidates_by_key_over_strided_padded_rows(dtype):
 
 def test_histogram_and_candidates_by_mass_with_the_mass_above():
     x = logits(5, 300, seed=2)
-    math_ = ChunkMath(vocab_start=0, valid=300, scale=2.0)
-    y = x.double() * 2.0
+    math_ = ChunkMath(vocab_start=0, valid=300, scale=1 / 0.7)
+    y = (x * math_.scale).double()  # as fp32 rounds it
     shift = y.amax(1).float()
-    lo = torch.tensor([-INF, -INF, 0.0, 5.0, -INF], device=DEVICE)
+    lo = torch.tensor([-INF, -INF, 0.0, 2.5, -INF], device=DEVICE)  # thresholds on x
     counts, mass = ts.histogram(x, math_, lo, shift, ts.MODE_MASS, block_v=64)
     e = torch.exp(y - shift.double()[:, None])
-    inside = y >= lo.double()[:, None]
+    inside = x.double() >= lo.double()[:, None]
     bins, near = mass_bins(e)
     for r in range(5):
         ref = torch.bincount(bins[r][inside[r]], minlength=ts.NBINS)

@@ -365,6 +365,10 @@ def keep_thresholds_by_kernels(
         return y_made[0]
 
     keep = torch.full((rows,), -math.inf, dtype=f32, device=dev)
+
+    def on_x(keep):  # the kept-so-far set as the kernels read it: a threshold on the logits
+        return _on_logits(x[:, : math_.valid], y_of, keep, group, None, math_.scale)
+
     big_m = full = None
     pending = []  # this rank's share of sums the next SUM carries (the full mass)
     if min_p is not None or p_active or want_full_lse:
@@ -405,7 +409,8 @@ def keep_thresholds_by_kernels(
     if top_k is not None:
         k = _per_row(top_k, rows, dev, torch.int64)
         mode = ts.MODE_MASS if p_active else ts.MODE_KEY
-        hist, mass = ts.histogram(x, math_, keep, big_m, mode)
+        lo = on_x(keep)
+        hist, mass = ts.histogram(x, math_, lo, big_m, mode)
         total, full_sum = summed(hist, mass)
         full = full_sum if full_sum is not None else full
         hist = total[:, : ts.NBINS].round().to(torch.int64)
@@ -420,7 +425,7 @@ def keep_thresholds_by_kernels(
         # rows not cut: an empty window (their mass above it is all their kept mass, which top-p needs)
         b_lo = torch.where(picked, b_k, ts.NBINS).to(torch.int32)
         b_hi = torch.where(picked, b_k, -1).to(torch.int32)
-        values, _, above = ts.candidates(x, math_, keep, big_m, b_lo, b_hi, width, mode)
+        values, _, above = ts.candidates(x, math_, lo, big_m, b_lo, b_hi, width, mode)
         cand, above = gathered(values, above)
         kth = cand.gather(1, (k - above_count - 1).clamp(0, cand.shape[1] - 1)[:, None])[:, 0]
         keep = torch.where(picked, torch.maximum(keep, kth), keep)
@@ -437,8 +442,9 @@ def keep_thresholds_by_kernels(
             cand_mass = torch.where(kept_cand, torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
             z_mass = above + cand_mass.sum(1)
     if p_active:
+        lo = on_x(keep)
         if counts is None:
-            hist, mass = ts.histogram(x, math_, keep, big_m, ts.MODE_MASS)
+            hist, mass = ts.histogram(x, math_, lo, big_m, ts.MODE_MASS)
             total, full_sum = summed(hist, mass)
             full = full_sum if full_sum is not None else full
             counts, z_mass = total[:, : ts.NBINS].round().to(torch.int64), total[:, ts.NBINS].double()
@@ -457,7 +463,7 @@ def keep_thresholds_by_kernels(
         picked = active & ~dense
         width = int(torch.where(picked, in_window, 0).max()) if rows else 0
         values, _, above = ts.candidates(
-            x, math_, keep, big_m, torch.where(picked, b_lo, ts.NBINS).to(torch.int32),
+            x, math_, lo, big_m, torch.where(picked, b_lo, ts.NBINS).to(torch.int32),
             torch.where(picked, b_hi, -1).to(torch.int32), width, ts.MODE_MASS,
         )  # fmt: skip
         cand, above = gathered(values, above)
@@ -473,8 +479,7 @@ def keep_thresholds_by_kernels(
         if full is None:
             full = all_reduce_sum_(pending.pop(), group)
         full_lse = (big_m.double() + full.double().log()).to(f32)
-    keep_min = _on_logits(x[:, : math_.valid], y_of, keep, group, None, math_.scale)
-    return ChunkThresholds(keep_min=keep_min, row_max=big_m, exps=None, full_lse=full_lse)
+    return ChunkThresholds(keep_min=on_x(keep), row_max=big_m, exps=None, full_lse=full_lse)
 
 
 def _smallest_kept(keep: torch.Tensor, cut: torch.Tensor, scale: float) -> torch.Tensor | None:

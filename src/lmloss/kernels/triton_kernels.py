@@ -264,28 +264,36 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
                 SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr,
                 FAST: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     # One [GROUP, BLOCK] tile of a row: block b0 + i is its row i. Every sum is an int32 sum of rounded fixed-point
-    # terms (exact: no order, so no layout, alignment or code path changes a bit), stored as fp32.
-    y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+    # terms (exact: no order, so no layout, alignment or code path changes a bit), stored as fp32. Returns the tile's
+    # exps summed per lane (NaN where a NaN or +inf y made one NaN), for the row's check.
+    if SOFTCAP:
+        y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        k2 = 1.4426950408889634
+    else:  # y = x * scale is monotone: the block's max of y is its max of x times scale, and the exp's FFMA
+        y = x.to(tl.float32)  # takes the scale (no multiply per element)
+        k2 = 1.4426950408889634 * (scale if SCALE else 1.0)
     if KEEP:
         mask = mask & (x.to(tl.float32) >= keep)
     if MASKED or KEEP:
         y = tl.where(mask, y, -float("inf"))
     m = tl.max(y, 1)
-    shift = tl.where(m == -float("inf"), 0.0, m)  # an empty block: every exp is 0
-    d = y - shift[:, None]
-    e = _exp2(d * 1.4426950408889634, FAST)  # in [0, 1], 1 at the block's max; NaN at a NaN y, or y = m = +inf
+    shift2 = tl.where(m == -float("inf"), 0.0, m * k2)  # an empty block: every exp is 0
+    e = _exp2(y * k2 - shift2[:, None], FAST)  # exp(y - m) in [0, 1], 1 at the block's max
     s = tl.sum(_fixed(e * 4194304.0), 1).to(tl.float32) * 2.384185791015625e-07  # 2**22 fraction bits
-    flag = tl.sum(e, 1)  # order-dependent, but NaN (the block's sums are NaN) in any order or in none
-    bad = flag != flag
+    if not SOFTCAP and SCALE:
+        m = m * scale
     blk = b0 + tl.arange(0, GROUP)
     out = out_ptr + (row * n_blocks + blk) * 4
     in_row = blk < n_blocks
     tl.store(out + 0, m, mask=in_row)
-    tl.store(out + 1, tl.where(bad, float("nan"), s), mask=in_row)
+    tl.store(out + 1, s, mask=in_row)
     if ENTROPY:  # e (y - m) in [-1/e, 0]; 0 where e is 0 (no 0 * -inf)
-        t = tl.sum(_fixed(e * tl.maximum(d, -3.4028234663852886e38) * 4194304.0), 1).to(tl.float32)
-        tl.store(out + 2, tl.where(bad, float("nan"), t * 2.384185791015625e-07), mask=in_row)
+        d = tl.maximum(y * k2 - shift2[:, None], -3.4028234663852886e38) * 0.6931471805599453  # y - m
+        t = tl.sum(_fixed(e * d * 4194304.0), 1).to(tl.float32)
+        tl.store(out + 2, t * 2.384185791015625e-07, mask=in_row)
     if SUM_LOGITS:  # in fixed point below the block's largest |y|'s binary exponent (22 bits under it)
+        if not SOFTCAP and SCALE:
+            y = y * scale
         yk = tl.where(mask, y, 0.0)
         big = tl.max(tl.abs(yk), 1)
         expo = (big.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -297,6 +305,7 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
         odd = tl.sum(tl.where((tl.abs(yk) == float("inf")) | (yk != yk), yk, 0.0), 1)
         total = tl.where(odd == 0.0, total, odd)
         tl.store(out + 3, total, mask=in_row)
+    return e
 
 
 # Contract (invariant mode, `lmloss.kernels`): one program per row walks its blocks of BLOCK columns (local columns
@@ -305,9 +314,9 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
 # sum_y_b): the block's max of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0),
 # sum y. The sums are of fixed-point terms (2**-22 units of exp(y - m_b); sum y in 2**-22 units of the block's
 # largest |y|'s binary octave) in int32, exact: a block's sums depend on its own columns alone, whatever the row,
-# the chunk, the shard, the alignment or the compiled layout. A block with a NaN y, or a +inf y, has NaN s_b and
-# t_b; sum_y_b is NaN / +-inf as a float sum of its non-finite y would be. Also target[row] = y at the label if
-# owned (-inf if KEEP drops it), else 0.
+# the chunk, the shard, the alignment or the compiled layout. A row with a NaN y, or a +inf y, gets NaN s_b and t_b
+# in its first block (the combine makes the row NaN); sum_y_b is NaN / +-inf as a float sum of its non-finite y
+# would be. Also target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
 # ALIGN: elements per 16 bytes when every row starts 16-byte aligned (base and row stride), else 1.
 @triton.jit
 def _block_partials_kernel(
@@ -332,15 +341,21 @@ def _block_partials_kernel(
         tl.store(target_ptr + row, tl.where(owned, y_t, 0.0))
     cols = tl.arange(0, GROUP)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     n_main = valid // (GROUP * BLOCK) * GROUP  # blocks in whole groups of whole blocks
+    check = tl.zeros([GROUP, BLOCK], tl.float32)  # the exps, per lane: NaN if any is NaN
     for b0 in range(0, n_main, GROUP):
         x = tl.load(x_row + b0 * BLOCK + cols)
-        _block_sums(x, cols >= 0, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP,
-                    ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False)  # fmt: skip
+        check += _block_sums(x, cols >= 0, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE,
+                             SOFTCAP, ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False)  # fmt: skip
     for b0 in range(n_main, n_blocks, GROUP):
         mask = b0 * BLOCK + cols < valid
         x = tl.load(x_row + b0 * BLOCK + cols, mask=mask, other=0.0)
-        _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP, ENTROPY,
-                    SUM_LOGITS, KEEP, FAST, GROUP, True)  # fmt: skip
+        check += _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP,
+                             ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, True)  # fmt: skip
+    if n_blocks > 0:  # a NaN or +inf y anywhere (an exp of NaN): the row's first block's sums are NaN
+        nan = tl.sum(tl.sum(check, 1), 0)
+        tl.store(out_ptr + row * n_blocks * 4 + 1, float("nan"), mask=nan != nan)
+        if ENTROPY:
+            tl.store(out_ptr + row * n_blocks * 4 + 2, float("nan"), mask=nan != nan)
 
 
 @triton.jit
