@@ -144,10 +144,10 @@ def test_kept_set_equals_vllm_float64_reference(case, dtype):
     kw = CASES[case]
     x = (torch.randn(8, 400, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).to(DEVICE)
     found = search(x, 2.0, kw, full_lse=True)
-    y = x.double() * 2.0
+    y = x.double().cpu() * 2.0
     ref = vllm_kept(y, **{k: per_row(v, 8) for k, v in kw.items()})
-    assert torch.equal(x.float() >= found.keep_min[:, None], ref)
-    torch.testing.assert_close(found.full_lse.double(), torch.logsumexp(y, -1), rtol=0, atol=2e-6)
+    assert torch.equal((x.float() >= found.keep_min[:, None]).cpu(), ref)
+    torch.testing.assert_close(found.full_lse.double().cpu(), torch.logsumexp(y, -1), rtol=0, atol=2e-6)
 
 
 def test_top_p_over_thousands_of_columns_with_a_wide_window_and_the_sorted_fallback(monkeypatch):
@@ -155,14 +155,14 @@ def test_top_p_over_thousands_of_columns_with_a_wide_window_and_the_sorted_fallb
     then the same rows with at most one candidate per row: every row sorted (`_dense_top_p`), the same set."""
     x = logits(6, 3000, seed=3, spread=0.5)
     top_p = torch.linspace(0.05, 0.99, 6, dtype=torch.float64)
-    ref = vllm_kept(x.double() * 2.0, top_p=top_p, top_k=per_row(2500, 6))
+    ref = vllm_kept(x.double().cpu() * 2.0, top_p=top_p, top_k=per_row(2500, 6))
     before = sampling.FALLBACK_ROWS[0]
     found = search(x, 2.0, dict(top_p=top_p, top_k=2500))
-    assert torch.equal(x >= found.keep_min[:, None], ref)
+    assert torch.equal((x >= found.keep_min[:, None]).cpu(), ref)
     assert sampling.FALLBACK_ROWS[0] == before  # found among the candidates
     monkeypatch.setattr(sampling, "KERNEL_CANDIDATES_MAX", 1)
     found = search(x, 2.0, dict(top_p=top_p, top_k=2500))
-    assert torch.equal(x >= found.keep_min[:, None], ref)
+    assert torch.equal((x >= found.keep_min[:, None]).cpu(), ref)
     assert sampling.FALLBACK_ROWS[0] - before == 6
 
 
