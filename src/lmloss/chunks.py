@@ -157,12 +157,17 @@ def tiled_linear(
         if lone_rows == 1:
             lone = torch.cat([lone, lone.new_zeros((1, lone.shape[1]))])
         lone_t = lone.t()
-        acc = torch.empty((cols, lone.shape[0]), dtype=out.dtype, device=out.device)
-        tmp_t = torch.empty_like(acc) if len(k_parts) > 1 else None
-        for j in _tile_starts(max(n, cols), cols):
-            gemm(w[j : j + cols], lone_t, None if b is None else b[j : j + cols, None], acc, tmp_t)
-            c_n = min(cols, n - j)
-            out[n_tiled:c, j : j + c_n] = acc[:c_n, :lone_rows].t()
+        starts = _tile_starts(max(n, cols), cols)
+        acc = torch.empty((len(starts), cols, lone.shape[0]), dtype=out.dtype, device=out.device)
+        tmp_t = torch.empty_like(acc[0]) if len(k_parts) > 1 else None
+        for t, j in enumerate(starts):
+            gemm(w[j : j + cols], lone_t, None if b is None else b[j : j + cols, None], acc[t], tmp_t)
+        # into `out` in two copies: the tiles end to end, then the last one (which may overlap the one before it)
+        whole = (len(starts) - 1) * cols
+        if whole:
+            out[n_tiled:c, :whole] = acc[:-1].reshape(whole, -1)[:, :lone_rows].t()
+        c_n = min(cols, n - starts[-1])
+        out[n_tiled:c, starts[-1] : starts[-1] + c_n] = acc[-1, :c_n, :lone_rows].t()
     return out
 
 

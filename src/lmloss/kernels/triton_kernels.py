@@ -54,6 +54,15 @@ __all__ = [
     "scaled_cast_by_device_scalar",
     "transform",
     "math_args",
+    "alignment",
+    # shared with the other Triton modules (triton_distill, triton_sampling)
+    "fast_exp2",
+    "row_split",
+    "edge_cols",
+    "block_for",
+    "device_guard",
+    "check_rows",
+    "row_vector",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
@@ -103,7 +112,7 @@ _FLT_MAX = 3.4028234663852886e38
 # relative error (about 2^-22) is far below fp32's rounding of the sums it feeds. The interpreter, which
 # tests these kernels on the CPU, cannot run PTX: there it is tl.exp2.
 @triton.jit
-def _exp2(x, FAST: tl.constexpr):
+def fast_exp2(x, FAST: tl.constexpr):
     if FAST:
         return tl.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
@@ -121,7 +130,7 @@ def _tanh(z, FAST: tl.constexpr):
     # Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8. The softcap path costs
     # about 10 more instructions per element than tanh.approx did (the static report, --all-options).
     az = tl.abs(z)
-    e = _exp2(az * -2.8853900817779268, FAST)  # exp(-2|z|) = 2^(-2 log2(e) |z|)
+    e = fast_exp2(az * -2.8853900817779268, FAST)  # exp(-2|z|) = 2^(-2 log2(e) |z|)
     z2 = z * z
     series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
     th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
@@ -149,7 +158,7 @@ def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
     # when y <= m and the rescale of the lane's sums when y > m (the element then adds exp(0) = 1).
     # m starts at -FLT_MAX, not -inf, so that y = -inf gives d = -inf and exp = 0, never inf - inf.
     d = y - m
-    e = _exp2(tl.abs(d) * -1.4426950408889634, FAST)
+    e = fast_exp2(tl.abs(d) * -1.4426950408889634, FAST)
     up = d > 0.0
     if ENTROPY:  # up: t <- e (t - d s) (the shift to the new max; the element adds 0); else t += e d
         t = tl.where(up, e * (t - d * s), t + e * tl.maximum(d, -3.4028234663852886e38))
@@ -162,7 +171,7 @@ def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
 def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
     # The row's (max, sum exp, entropy numerator) from the lanes' once per row; -inf max when nothing is finite.
     big_m = tl.max(m, 0)
-    w = _exp2((m - big_m) * 1.4426950408889634, FAST)
+    w = fast_exp2((m - big_m) * 1.4426950408889634, FAST)
     s_row = tl.sum(s * w, 0)
     t_row = 0.0
     if ENTROPY:
@@ -171,7 +180,7 @@ def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+def row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
     # A row's columns as: `head` leading columns before the first 16-byte aligned address, `n_main` columns
     # from there in whole blocks (the unmasked, vectorised main loop), and the edge: the head plus whatever
     # follows the main blocks (masked). Edge lane j is column j if j < head, else n_main + j.
@@ -181,7 +190,7 @@ def _row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _edge_cols(j, head, n_main):
+def edge_cols(j, head, n_main):
     return tl.where(j < head, j, n_main + j)
 
 
@@ -213,7 +222,7 @@ def _softmax_partials_kernel(
         if KEEP:
             y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
         target = tl.where(owned, y_t, 0.0)
-    head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
@@ -235,7 +244,7 @@ def _softmax_partials_kernel(
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         mask = j < n_edge
-        x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
+        x = tl.load(x_row + edge_cols(j, head, n_main), mask=mask, other=0.0)
         y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             mask = mask & (x.to(tl.float32) >= keep)
@@ -278,7 +287,7 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
         y = tl.where(mask, y, -float("inf"))
     m = tl.max(y, 1)
     shift2 = tl.where(m == -float("inf"), 0.0, m * k2)  # an empty block: every exp is 0
-    e = _exp2(y * k2 - shift2[:, None], FAST)  # exp(y - m) in [0, 1], 1 at the block's max
+    e = fast_exp2(y * k2 - shift2[:, None], FAST)  # exp(y - m) in [0, 1], 1 at the block's max
     s = tl.sum(_fixed(e * 4194304.0), 1).to(tl.float32) * 2.384185791015625e-07  # 2**22 fraction bits
     if not SOFTCAP and SCALE:
         m = m * scale
@@ -369,11 +378,11 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, dz, pz, SOFTCAP: tl
         pa = pa + pz * dz
     if ENTROPY:
         logp2 = x * 1.4426950408889634 - lse2
-        p = _exp2(logp2, FAST)
+        p = fast_exp2(logp2, FAST)
         logp = tl.where(p > 0.0, logp2 * 0.6931471805599453, 0.0)  # no -inf * 0 where p == 0
         g = (pa + d_coef * (logp + h)) * p + tl.where(j_label, pb + pc, pc)
     else:
-        p = _exp2(x * 1.4426950408889634 - lse2, FAST)
+        p = fast_exp2(x * 1.4426950408889634 - lse2, FAST)
         g = pa * p + tl.where(j_label, pb + pc, pc)
     if SOFTCAP:
         g = g * (1.0 - th * th)
@@ -401,7 +410,7 @@ def _softmax_grad_kernel(
     x_start = row * x_row_stride
     o_start = row * out_row_stride
     z_start = row * z_row_stride
-    head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(x_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
     o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
     z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
@@ -450,7 +459,7 @@ def _softmax_grad_kernel(
         n_edge = n_cols - n_main
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
-            cols = _edge_cols(j, head, n_main)
+            cols = edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < valid)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
@@ -478,7 +487,7 @@ def _difference_sums_kernel(
     z_start = row * z_row_stride
     lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
     k2 = 1.4426950408889634 * (scale if SCALE else 1.0)
-    head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(x_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
     z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
     offs = tl.arange(0, BLOCK_V)
@@ -486,15 +495,15 @@ def _difference_sums_kernel(
     for kb in range(0, n_main, BLOCK_V):
         x = tl.load(x_main + kb + offs).to(tl.float32)
         z = tl.load(z_main + kb + offs).to(tl.float32)
-        acc += _exp2(x * k2 - lse2, FAST) * (x - z)
+        acc += fast_exp2(x * k2 - lse2, FAST) * (x - z)
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         mask = j < n_edge
-        cols = _edge_cols(j, head, n_main)
+        cols = edge_cols(j, head, n_main)
         x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + z_start + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.where(mask, _exp2(x * k2 - lse2, FAST) * (x - z), 0.0)
+        acc += tl.where(mask, fast_exp2(x * k2 - lse2, FAST) * (x - z), 0.0)
     tl.store(out_ptr + row, tl.sum(acc, 0))
 
 
@@ -528,7 +537,7 @@ def _cross_entropy_loss_grad_kernel(
         y_t, th_t = transform(tl.load(x_ptr + x_start + label, mask=owned, other=0.0), scale, inv_cap, cap_scale,
                             SCALE, SOFTCAP, FAST)  # fmt: skip
         y_t = tl.where(owned, y_t, 0.0)
-        head, n_main = _row_split(x_start, n_read, ALIGN, BLOCK_V)
+        head, n_main = row_split(x_start, n_read, ALIGN, BLOCK_V)
         x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
         o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
 
@@ -539,7 +548,7 @@ def _cross_entropy_loss_grad_kernel(
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
             mask = j < n_edge
-            x = tl.load(x_ptr + x_start + _edge_cols(j, head, n_main), mask=mask, other=0.0,
+            x = tl.load(x_ptr + x_start + edge_cols(j, head, n_main), mask=mask, other=0.0,
                         eviction_policy="evict_last")  # fmt: skip
             y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             y = tl.where(mask, y, -float("inf"))
@@ -584,7 +593,7 @@ def _cross_entropy_loss_grad_kernel(
         n_edge = n_cols - n_main  # the head, the tail and the padded columns (zeros); all of an ignored row
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
-            cols = _edge_cols(j, head, n_main)
+            cols = edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < n_read)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first")
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
@@ -594,7 +603,8 @@ def _cross_entropy_loss_grad_kernel(
                      eviction_policy="evict_first")  # fmt: skip
 
 
-def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
+def block_for(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
+    """`block_config`'s ``(BLOCK_V, num_warps)``, BLOCK_V replaced by `block_v` (a power of 2) when given."""
     block, warps = block_config(n_cols, table)
     if block_v is not None:
         if block_v < 1 or block_v & (block_v - 1):
@@ -603,12 +613,14 @@ def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int 
     return block, warps
 
 
-def _device_guard(t: torch.Tensor):
+def device_guard(t: torch.Tensor):
+    """The context in which a launch for tensor `t` runs on its device."""
     # Triton launches on the current CUDA device; make it the tensors' one.
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raise unless `t` is 2-D with unit column stride and a dtype in `dtypes`."""
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{name} must be 2-D with unit column stride, got shape {tuple(t.shape)}, "
                          f"strides {t.stride()}")  # fmt: skip
@@ -616,7 +628,8 @@ def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> 
         raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
-def _row_vector(name: str, t: torch.Tensor, rows: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+def row_vector(name: str, t: torch.Tensor, rows: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """`t` checked as ``[rows]`` of a dtype in `dtypes`, contiguous (and 16-byte aligned if 64-bit)."""
     if t.shape != (rows,) or t.dtype not in dtypes:
         raise ValueError(f"{name} must be [{rows}] of dtype in {dtypes}, got {tuple(t.shape)} {t.dtype}")
     t = t.contiguous()
@@ -658,16 +671,16 @@ def _programs(device: torch.device) -> int:
 def _check_partials_args(x, labels, math: ChunkMath, target: bool, keep_min):
     """The checks of `softmax_partials` / `block_partials`: ``(rows, labels, keep_min)``, the vectors checked
     (labels only when `target`)."""
-    _check_rows("x", x, _FLOATS)
+    check_rows("x", x, _FLOATS)
     rows, n_cols = x.shape
     if not 0 <= math.valid <= n_cols:
         raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
     if target:
         if labels is None:
             raise ValueError("labels is required when target=True")
-        labels = _row_vector("labels", labels, rows, _INTS)
+        labels = row_vector("labels", labels, rows, _INTS)
     if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+        keep_min = row_vector("keep_min", keep_min, rows, (torch.float32,))
     return rows, labels, keep_min
 
 
@@ -702,9 +715,9 @@ def softmax_partials(
     out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
             out if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
@@ -738,7 +751,7 @@ def block_partials(
     tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows and n_blocks:
         values, flags = math_args(math, x)
-        with _device_guard(x):
+        with device_guard(x):
             align = alignment(x) if x.stride(0) % (16 // x.element_size()) == 0 else 1  # every row, not only the first
             _block_partials_kernel[(rows,)](
                 x, x.stride(0), labels if target else x, out, tgt, math.valid, n_blocks, math.vocab_start, *values,
@@ -789,17 +802,17 @@ def softmax_grad_(
             float dtype, ``z.stride(1) == 1``) and ``z_coef [c]`` fp32; each valid column also gets
             ``z_coef * P * (x - z)`` (before dy/dx). No softcap.
     """
-    _check_rows("x", x, _FLOATS)
-    _check_rows("out", out, _FLOATS)
+    check_rows("x", x, _FLOATS)
+    check_rows("out", out, _FLOATS)
     z = zc = None
     if difference is not None:
         z, zc = difference
-        _check_rows("z", z, _FLOATS)
+        check_rows("z", z, _FLOATS)
         if z.shape != x.shape:
             raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
         if math.softcap:
             raise ValueError("the folded difference term takes no softcap (dy/dx would not be the scale)")
-        zc = _row_vector("z_coef", zc, x.shape[0], (torch.float32,))
+        zc = row_vector("z_coef", zc, x.shape[0], (torch.float32,))
     rows, n_cols = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -808,20 +821,20 @@ def softmax_grad_(
     if coef.shape != (rows, 4) or coef.dtype != torch.float32:
         raise ValueError(f"coef must be fp32 [{rows}, 4], got {tuple(coef.shape)} {coef.dtype}")
     coef = coef.contiguous()
-    lse = _row_vector("lse", lse, rows, (torch.float32,))
+    lse = row_vector("lse", lse, rows, (torch.float32,))
     if entropy is not None:
-        entropy = _row_vector("entropy", entropy, rows, (torch.float32,))
+        entropy = row_vector("entropy", entropy, rows, (torch.float32,))
     if labels is not None:
-        labels = _row_vector("labels", labels, rows, _INTS)
+        labels = row_vector("labels", labels, rows, _INTS)
     if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
-    block, warps = _block(n_cols, BACKWARD_BLOCKS, block_v)
+        keep_min = row_vector("keep_min", keep_min, rows, (torch.float32,))
+    block, warps = block_for(n_cols, BACKWARD_BLOCKS, block_v)
     if rows == 0 or n_cols == 0:
         return out
     if splits is None:  # split the vocabulary only when the rows alone leave programs idle
         splits = min(triton.cdiv(n_cols, block), triton.cdiv(_programs(x.device), rows))
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
             lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start, *values,
@@ -839,20 +852,20 @@ def difference_sums(
     """Per-row ``sum_j P_j (x_j - z_j)`` over the valid columns, ``P = exp(scale * x - lse)`` (the folded full
     KL's sums, `lmloss.kernels`): fp32 ``[c]``. `x`, `z`: ``[c, V_local]`` of any float dtypes, unit column
     stride; `lse` ``[c]`` fp32; no softcap."""
-    _check_rows("x", x, _FLOATS)
-    _check_rows("z", z, _FLOATS)
+    check_rows("x", x, _FLOATS)
+    check_rows("z", z, _FLOATS)
     if z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     if math.softcap:
         raise ValueError("difference_sums takes no softcap")
     rows = x.shape[0]
-    lse = _row_vector("lse", lse, rows, (torch.float32,))
+    lse = row_vector("lse", lse, rows, (torch.float32,))
     out = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _difference_sums_kernel[(rows,)](
             x, x.stride(0), z, z.stride(0), lse, out, math.valid, values[0], SCALE=flags["SCALE"], BLOCK_V=block,
             ALIGN=alignment(x, z), FAST=flags["FAST"], num_warps=warps,
@@ -902,8 +915,8 @@ def cross_entropy_loss_and_grad_(
     Returns:
         fp32 ``[c, 2]``: (lse, loss) per row, both 0 for ignored rows.
     """
-    _check_rows("x", x, _FLOATS)
-    _check_rows("out", out, _FLOATS)
+    check_rows("x", x, _FLOATS)
+    check_rows("out", out, _FLOATS)
     rows, n_cols = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -918,7 +931,7 @@ def cross_entropy_loss_and_grad_(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    labels = _row_vector("labels", labels, rows, _INTS)
+    labels = row_vector("labels", labels, rows, _INTS)
     if grad_scale is None:
         grad_scale = torch.ones((), dtype=torch.float32, device=x.device)
     elif grad_scale.numel() != 1 or grad_scale.device != x.device:
@@ -929,12 +942,12 @@ def cross_entropy_loss_and_grad_(
         return res
     block, warps, per_sm = cross_entropy_config(n_cols, bool(math.softcap))
     if block_v is not None:
-        block = _block(n_cols, CROSS_ENTROPY_BLOCKS, block_v)[0]
+        block = block_for(n_cols, CROSS_ENTROPY_BLOCKS, block_v)[0]
     warps = num_warps or warps
     if programs is None:
         programs = _programs(x.device) // 4 * per_sm
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _cross_entropy_loss_grad_kernel[(max(1, min(rows, programs)),)](
             x, x.stride(0), out, out.stride(0), labels, res, grad_scale, rows, n_cols, vocab_size,
             int(ignore_index), *values, float(label_smoothing), float(z_loss), 1.0 / vocab_size,
@@ -969,7 +982,7 @@ def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tens
     n = t.numel()
     if n:
         block = 4096
-        with _device_guard(t):
+        with device_guard(t):
             grid = min(triton.cdiv(n, block), _programs(t.device))
             _scale_kernel[(grid,)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
     return t
@@ -1001,7 +1014,7 @@ def scaled_cast_by_device_scalar(src: torch.Tensor, factor: torch.Tensor, dtype:
     n = src.numel()
     if n:
         block = 4096
-        with _device_guard(src):
+        with device_guard(src):
             grid = min(triton.cdiv(n, block), _programs(src.device))
             _scaled_cast_kernel[(grid,)](src, dst, n, factor.reshape(()), BLOCK=block, num_warps=8)
     return dst

@@ -34,15 +34,15 @@ import triton.language as tl
 from lmloss.kernels import ChunkMath
 from lmloss.kernels.triton_kernels import (
     FORWARD_BLOCKS,
-    _block,
-    _check_rows,
-    _device_guard,
-    _edge_cols,
-    _exp2,
-    _row_split,
-    _row_vector,
     alignment,
+    block_for,
+    check_rows,
+    device_guard,
+    edge_cols,
+    fast_exp2,
     math_args,
+    row_split,
+    row_vector,
 )
 
 NBINS = 2048
@@ -65,7 +65,7 @@ def bins_of(x, k2, shift2, MODE: tl.constexpr, FAST: tl.constexpr):
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving: signed compares of keys = of floats
         return (key >> 21) + 1024, x
     else:
-        e = _exp2(x * k2 - shift2, FAST)
+        e = fast_exp2(x * k2 - shift2, FAST)
         b = (e.to(tl.int32, bitcast=True) >> 18) - 2016
         return tl.minimum(tl.maximum(b, 0), 2047), e
 
@@ -84,7 +84,7 @@ def _histogram_kernel(
     shift2 = 0.0
     if MODE == 1:
         shift2 = tl.load(shift_ptr + row) * 1.4426950408889634
-    head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
     offs = tl.arange(0, BLOCK_V)
     counts = tl.zeros([NB], tl.int32)
@@ -99,7 +99,7 @@ def _histogram_kernel(
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
-        x = tl.load(x_ptr + row_start + _edge_cols(j, head, n_main), mask=j < n_edge, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row_start + edge_cols(j, head, n_main), mask=j < n_edge, other=0.0).to(tl.float32)
         inside = (j < n_edge) & (x >= lo)
         b, e = bins_of(x, k2, shift2, MODE, FAST)
         counts += tl.histogram(b, NB, mask=inside)
@@ -116,7 +116,7 @@ def _order_bits(x, k2, shift2, MODE: tl.constexpr, FAST: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), x
     else:
-        e = _exp2(x * k2 - shift2, FAST)
+        e = fast_exp2(x * k2 - shift2, FAST)
         return e.to(tl.int32, bitcast=True), e
 
 
@@ -138,7 +138,7 @@ def _candidates_kernel(
     shift2 = 0.0
     if MODE == 1:
         shift2 = tl.load(shift_ptr + row) * 1.4426950408889634
-    head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
     out_row = values_ptr + row * width
     counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
@@ -157,7 +157,7 @@ def _candidates_kernel(
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
-        x = tl.load(x_ptr + row_start + _edge_cols(j, head, n_main), mask=j < n_edge, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row_start + edge_cols(j, head, n_main), mask=j < n_edge, other=0.0).to(tl.float32)
         inside = (j < n_edge) & (x >= lo)
         q, e = _order_bits(x, k2, shift2, MODE, FAST)
         if MODE == 1:
@@ -169,17 +169,17 @@ def _candidates_kernel(
 
 
 def _check(x: torch.Tensor, math: ChunkMath, lo: torch.Tensor, shift: torch.Tensor | None, mode: int):
-    _check_rows("x", x, (torch.float32, torch.bfloat16, torch.float16))
+    check_rows("x", x, (torch.float32, torch.bfloat16, torch.float16))
     if math.softcap:
         raise ValueError("the Triton threshold search takes no softcap (the PyTorch search handles it)")
     if mode not in (MODE_KEY, MODE_MASS):
         raise ValueError(f"mode must be MODE_KEY or MODE_MASS, got {mode}")
     rows = x.shape[0]
-    lo = _row_vector("lo", lo, rows, (torch.float32,))
+    lo = row_vector("lo", lo, rows, (torch.float32,))
     if mode == MODE_MASS:
         if shift is None:
             raise ValueError("MODE_MASS needs the rows' shift (their global max)")
-        shift = _row_vector("shift", shift, rows, (torch.float32,))
+        shift = row_vector("shift", shift, rows, (torch.float32,))
     return rows, lo, lo if shift is None else shift
 
 
@@ -195,9 +195,9 @@ def histogram(
     mass = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or math.valid == 0:
         return counts, mass
-    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _histogram_kernel[(rows,)](
             x, x.stride(0), lo, shift, counts, mass, math.valid, values[0], SCALE=flags["SCALE"], MODE=mode,
             NB=NBINS, BLOCK_V=block, ALIGN=alignment(x), FAST=flags["FAST"], num_warps=warps,
@@ -213,17 +213,17 @@ def candidates(
     width]``, unordered, -inf padded), their count (int32 ``[c]``; more than `width` are counted, not kept) and
     in ``MODE_MASS`` the mass of the columns with ``x >= lo`` in the bins above ``bin_hi`` (fp32 ``[c]``)."""
     rows, lo, shift = _check(x, math, lo, shift, mode)
-    bin_lo = _row_vector("bin_lo", bin_lo, rows, (torch.int32,))
-    bin_hi = _row_vector("bin_hi", bin_hi, rows, (torch.int32,))
+    bin_lo = row_vector("bin_lo", bin_lo, rows, (torch.int32,))
+    bin_hi = row_vector("bin_hi", bin_hi, rows, (torch.int32,))
     width = max(int(width), 1)
     values = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=x.device)
     count = torch.zeros(rows, dtype=torch.int32, device=x.device)
     above = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or math.valid == 0:
         return values, count, above
-    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
     scale, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _candidates_kernel[(rows,)](
             x, x.stride(0), lo, shift, window_bits(bin_lo, bin_hi, mode), values, count, above, math.valid, width,
             scale[0], SCALE=flags["SCALE"], MODE=mode, BLOCK_V=block, ALIGN=alignment(x), FAST=flags["FAST"],
