@@ -313,3 +313,99 @@ def test_grad_split_across_programs_gives_the_same_bits():
     ]
     assert_close(outs[0], ref_grad(x, labels, lse, entropy, coef, math), torch.bfloat16)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def ref_blocks(x, labels, math, keep=None, block=128):
+    """float64 per-block (max, sum exp(y - max), sum exp(y - max)(y - max), sum y) of the kept valid columns."""
+    y = ref_y(x, math)
+    if keep is not None:
+        y = y.masked_fill(x[:, : math.valid].float() < keep[:, None], -INF)
+    out = []
+    for b in range(0, math.valid, block):
+        yb = y[:, b : b + block]
+        m = yb.amax(1)
+        e = torch.exp(yb - torch.where(m == -INF, 0.0, m)[:, None])
+        t = torch.where(e > 0, e * (yb - m[:, None]), 0.0).sum(1)
+        out.append(torch.stack([m, e.sum(1), t, torch.where(yb > -INF, yb, 0.0).sum(1)], 1))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 6.0])
+def test_block_partials_match_float64_and_a_block_is_the_same_bits_at_any_alignment(softcap):
+    """The invariant mode's block sums (exact sums of fixed-point terms) against float64, over 3 rows of a
+    ragged, padded shard with a kept-set threshold; then each row alone, and the rows copied to an address that
+    is no 16-byte boundary (another alignment: on a GPU another compiled layout), give the same bits."""
+    from lmloss.kernels.triton_kernels import block_partials
+
+    math = ChunkMath(vocab_start=128, valid=1100, scale=1 / 0.7, softcap=softcap)
+    x = make_logits(3, 1111, 1100, torch.bfloat16, seed=9)
+    labels = torch.tensor([128 + 7, 128 + 1099, IGNORE], device=DEVICE)
+    keep = torch.tensor([-INF, -1.0, 0.5], device=DEVICE)
+    got = block_partials(x, labels, math, entropy=True, target=True, sum_logits=True, keep_min=keep)
+    ref = ref_blocks(x, labels, math, keep)
+    if softcap:
+        torch.testing.assert_close(got.m.double().cpu(), ref[..., 0].cpu(), rtol=1e-6, atol=1e-6)
+    else:  # a max is exact: fp32's x * scale (as the kernels round it), blocks of 128
+        y32 = x[:, :1100].float() * torch.tensor(math.scale, dtype=torch.float32)
+        y32 = y32.masked_fill(x[:, :1100].float() < keep[:, None], -INF)
+        m32 = torch.nn.functional.pad(y32, (0, 1152 - 1100), value=-INF).view(3, 9, 128).amax(-1)
+        assert torch.equal(got.m, m32)
+    for k, name in ((1, "s"), (2, "t"), (3, "sum_y")):
+        torch.testing.assert_close(getattr(got, name).double().cpu(), ref[..., k].cpu(), rtol=1e-5, atol=1e-5)
+    y_label = ref_y(x, math)[torch.arange(3), labels.clamp(128, 1227) - 128]
+    assert torch.isclose(got.target[0].double(), y_label[0], rtol=1e-6) and got.target[2] == 0.0
+
+    shifted = torch.empty(3, 1112 * 3 + 1, dtype=x.dtype, device=DEVICE)[:, 1 : 1 + 1111]  # odd start, odd stride
+    shifted.copy_(x)
+    for rows in ([0], [1], [2], [0, 1, 2]):
+        for xs in (x[rows], shifted[rows]):
+            alone = block_partials(xs, labels[rows], math, entropy=True, target=True, sum_logits=True,
+                                   keep_min=keep[rows])  # fmt: skip
+            for name in ("m", "s", "t", "sum_y", "target"):
+                assert torch.equal(getattr(alone, name), getattr(got, name)[rows]), (name, rows)
+
+
+def test_block_partials_make_a_row_with_nan_or_inf_nan():
+    from lmloss.kernels.triton_kernels import block_partials
+
+    math = ChunkMath(vocab_start=0, valid=300)
+    x = make_logits(3, 300, 300, torch.float32, seed=10)
+    x[0, 250] = NAN
+    x[1, 3] = INF
+    got = block_partials(x, None, math, entropy=True, target=False, sum_logits=True)
+    assert torch.isnan(got.s[:2, 0]).all() and torch.isnan(got.t[:2, 0]).all()
+    assert torch.isnan(got.sum_y[0, 1]) and got.sum_y[1, 0] == INF
+    assert torch.isfinite(got.s[2]).all() and torch.isfinite(got.sum_y[2]).all()
+
+
+@pytest.mark.parametrize("z_dtype", [torch.float32, torch.bfloat16])
+def test_folded_difference_sums_and_gradient_match_float64(z_dtype):
+    """The folded full KL (`difference_sums`, `softmax_grad_(difference=...)`): sum_j p_j (x_j - z_j) and the
+    gradient's extra ``z_coef * p * (x - z)`` term, over a padded shard with strided rows (no 16-byte alignment),
+    blocks of 8 columns; a row whose only nonzero coefficient is z_coef is live, a row with all coefficients 0 gets
+    exactly 0 although its z is NaN."""
+    from lmloss.kernels.triton_kernels import difference_sums
+
+    math = ChunkMath(vocab_start=7, valid=45, scale=1 / 0.7)
+    x = make_logits(4, 53, 45, torch.bfloat16, seed=11)
+    z = (x[:, :45].double() + 0.3 * torch.randn(4, 45, generator=torch.Generator().manual_seed(12)).to(DEVICE))
+    z = torch.nn.functional.pad(z, (0, 8), value=NAN).to(z_dtype)
+    z[3] = NAN
+    y = ref_y(x, math)
+    lse, entropy = softmax_stats(y)
+    p = torch.exp(y - lse[:, None])
+    diff = x[:, :45].double() - z[:, :45].double()
+    sums = difference_sums(x, z, lse.float(), math, block_v=8)
+    torch.testing.assert_close(sums[:3].double().cpu(), (p * diff).sum(1)[:3].cpu(), rtol=1e-5, atol=1e-6)
+
+    labels = torch.tensor([7 + 3, 7 + 44, IGNORE, 7 + 1], device=DEVICE)
+    coef = torch.tensor([[0.5, -1.0, 0.0, 0.2], [0.0, 0.0, 0.0, 0.0], [-0.3, 0.0, 0.0, 0.0], [0.0] * 4], device=DEVICE)
+    z_coef = torch.tensor([0.7, -1.2, 0.0, 0.0], device=DEVICE)
+    out = softmax_grad_(x, labels, lse.float(), entropy.float(), coef, math, torch.full_like(x, 9.0), block_v=8,
+                        difference=(z, z_coef))  # fmt: skip
+    expected = ref_grad(x, labels, lse, entropy, coef, math)
+    extra = torch.where(z_coef[:, None] != 0, z_coef.double()[:, None] * p * torch.nan_to_num(diff), 0.0) * math.scale
+    expected[:, :45] += extra
+    assert_close(out, expected, torch.bfloat16)
+    assert (out[1, :45] != 0).any() and torch.equal(out[3], torch.zeros_like(out[3]))
+    assert torch.equal(out[:, 45:], torch.zeros_like(out[:, 45:]))

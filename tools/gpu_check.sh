@@ -8,7 +8,9 @@
 #   the issue's shapes and the kernel profile, JSON); 3. the Triton kernel tests on the GPU (interpreter
 #   off); 4. why `make venv` cannot install offline there (pip's own words); 5. the test suite on the
 #   machine's torch for whatever time is left (a smoke run: -x, stopped by its time box). Between 2 and 3:
-#   tools/gpu_invariant.py (invariant=True's bits on the GPU and its cost, OUT/invariant.json).
+#   tools/gpu_invariant.py (invariant=True's bits on the GPU and its cost, OUT/invariant.json), then
+#   tools/gpu_kernels.py (issue #33: top-p / top-k with the Triton threshold search, the full KL folded in the
+#   Triton softmax gradient, invariant=True, and each new kernel alone, against their targets, OUT/kernels33.json).
 # Each step has a time box; a failed step is logged and the next one runs.
 set -u
 OUT=${OUT:-out/gpu}
@@ -34,10 +36,13 @@ timeout "$TUNE_S" python3 tools/gpu_tune.py "$OUT" || say "gpu_tune: exit $?"
 say "invariant=True: bits and cost (tools/gpu_invariant.py)"
 timeout "${INVARIANT_S:-120}" python3 tools/gpu_invariant.py --device cuda --out "$OUT" || say "gpu_invariant: exit $?"
 
+say "issue 33: the kept set's search, the full KL and invariant mode against their targets (tools/gpu_kernels.py)"
+timeout "${KERNELS33_S:-180}" python3 tools/gpu_kernels.py --device cuda --out "$OUT" || say "gpu_kernels: exit $?"
+
 say "Triton kernel tests on the GPU"
 {
-  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
-    tests/test_kernels_triton_loss.py tests/test_kernels_triton_distill.py
+  TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_kernels_triton_loss.py tests/test_kernels_triton_distill.py tests/test_kernels_triton_sampling.py
   echo "kernel tests exit $?"
   echo "--- make venv, offline from .whl/"
   python3 -m pip --version; python3 -m pip config list

@@ -196,21 +196,36 @@ def _tile_starts(n: int, size: int) -> list[int]:
     return starts if n % size == 0 else [*starts, n - size]
 
 
+#: The CPU's invariant fp32 GEMMs sum the hidden dimension in chunks of this many columns (the last one shorter),
+#: one GEMM each, added in order: with MKL here a longer fp32 reduction rounds differently for other row counts
+#: and thread counts (H = 4096: the 128-row tile itself changed between 1 and 2 threads; bf16 / fp16 did not).
+_CPU_GEMM_K = 256
+
+
 def tiled_linear(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: tuple[int, int]
 ) -> torch.Tensor:
-    """``out[:c, :N] = hidden @ weight.T (+ bias)`` for ``hidden [c, H]`` and ``weight [N, H]`` by GEMMs of one
-    shape, ``[R, H] @ [H, Nb]`` (`tile` = (R, Nb)): tiles of R rows and Nb weight rows, the last of each
-    overlapping the one before it (or, where c < R or N < Nb, zero-padded inputs into a scratch tile). Each
-    logit then comes from a GEMM of that one shape, beside whatever other rows and columns share its tile:
-    its bits depend on its own row of `hidden` and column of `weight` (and the library's kernel for that
-    shape), not on c, N or its place. Writing overlapping tiles twice writes the same values."""
+    """``out[:c, :N] = hidden @ weight.T (+ bias)`` for ``hidden [c, H]`` and ``weight [N, H]`` by GEMMs of fixed
+    shapes, so that a logit's bits depend on its own row of `hidden` and column of `weight` (and the library's
+    kernels for those shapes), not on c, N or its place. `tile` = (R, Nb): tiles of Nb weight rows, the last
+    overlapping the one before it (zero-padded where N < Nb); writing overlapping tiles twice writes the same
+    values.
+
+    CUDA: each tile is one ``[R, H] @ [H, Nb]`` GEMM, the rows in tiles of R too (zero-padded where c < R).
+    CPU: fp32 sums the hidden dimension in chunks of `_CPU_GEMM_K` (one GEMM each, added in order); the whole R-row tiles
+    as ``[R, H] @ [H, Nb]``, and the rows after them (c < R included) as ``weight_tile @ hidden_rows.T`` for any
+    count of at least 2 rows (one row gets a zero row beside it): with this CPU's MKL both give a row the same
+    bits as an R-row tile, for fp32, bf16 and fp16, 1 or 2 threads (checked over H up to 4096, 2 to 127 rows and
+    tiles of 384 to 4096 weight rows), so a row alone costs about one pass over the weight instead of an
+    R-row GEMM. float64 (where the transposed form rounds differently) pads the rows to whole tiles."""
     rows, cols = tile
     c, n = hidden.shape[0], weight.shape[0]
     if c == 0 or n == 0:
         return out
     h, w, b = hidden, weight, bias
-    if c < rows:
+    cpu = hidden.device.type == "cpu" and hidden.shape[1] > 0
+    lone_rows = c % rows if cpu and hidden.dtype != torch.float64 else 0  # rows after the whole tiles
+    if c < rows and not lone_rows:
         h = hidden.new_zeros((rows, hidden.shape[1]))
         h[:c] = hidden
     if n < cols:
@@ -219,18 +234,48 @@ def tiled_linear(
         if bias is not None:
             b = bias.new_zeros(cols)
             b[:n] = bias
+    split_k = cpu and hidden.dtype == torch.float32  # (bf16 / fp16 partials would round to the output dtype)
+    k_parts = [(k, k + _CPU_GEMM_K) for k in range(0, hidden.shape[1], _CPU_GEMM_K)] if split_k else [(0, None)]
+
+    def gemm(a, bt, bias_, dst, tmp):  # dst = a @ bt (+ bias_) over the hidden chunks, added in order
+        for i, (k0, k1) in enumerate(k_parts):
+            target = dst if i == 0 else tmp
+            if i == 0 and bias_ is not None:
+                torch.addmm(bias_, a[:, k0:k1], bt[k0:k1], out=target)
+            else:
+                torch.mm(a[:, k0:k1], bt[k0:k1], out=target)
+            if i:
+                dst.add_(tmp)
+        return dst
+
+    n_tiled = c - lone_rows if lone_rows else max(c, rows)  # rows made in R-row tiles (padded where c < R)
     direct = c >= rows and n >= cols
     scratch = None if direct else torch.empty((rows, cols), dtype=out.dtype, device=out.device)
-    for i in _tile_starts(max(c, rows), rows):
-        for j in _tile_starts(max(n, cols), cols):
-            dst = out[i : i + rows, j : j + cols] if direct else scratch
-            if b is None:
-                torch.mm(h[i : i + rows], w[j : j + cols].t(), out=dst)
-            else:
-                torch.addmm(b[j : j + cols], h[i : i + rows], w[j : j + cols].t(), out=dst)
-            if not direct:
-                r_n, c_n = min(rows, c - i), min(cols, n - j)
-                out[i : i + r_n, j : j + c_n] = scratch[:r_n, :c_n]
+    tmp = torch.empty((rows, cols), dtype=out.dtype, device=out.device) if len(k_parts) > 1 else None
+    if n_tiled:
+        for i in _tile_starts(n_tiled, rows):
+            for j in _tile_starts(max(n, cols), cols):
+                dst = out[i : i + rows, j : j + cols] if direct else scratch
+                gemm(h[i : i + rows], w[j : j + cols].t(), None if b is None else b[j : j + cols], dst, tmp)
+                if not direct:
+                    r_n, c_n = min(rows, c - i), min(cols, n - j)
+                    out[i : i + r_n, j : j + c_n] = dst[:r_n, :c_n]
+    if lone_rows:  # transposed: weight_tile [Nb, H] @ hidden_rows.T [H, r], r >= 2
+        lone = hidden[n_tiled:]
+        if lone_rows == 1:
+            lone = torch.cat([lone, lone.new_zeros((1, lone.shape[1]))])
+        lone_t = lone.t()
+        starts = _tile_starts(max(n, cols), cols)
+        acc = torch.empty((len(starts), cols, lone.shape[0]), dtype=out.dtype, device=out.device)
+        tmp_t = torch.empty_like(acc[0]) if len(k_parts) > 1 else None
+        for t, j in enumerate(starts):
+            gemm(w[j : j + cols], lone_t, None if b is None else b[j : j + cols, None], acc[t], tmp_t)
+        # into `out` in two copies: the tiles end to end, then the last one (which may overlap the one before it)
+        whole = (len(starts) - 1) * cols
+        if whole:
+            out[n_tiled:c, :whole] = acc[:-1].reshape(whole, -1)[:, :lone_rows].t()
+        c_n = min(cols, n - starts[-1])
+        out[n_tiled:c, starts[-1] : starts[-1] + c_n] = acc[-1, :c_n, :lone_rows].t()
     return out
 
 

@@ -35,7 +35,7 @@ import torch
 from lmloss.kernels import BlockPartials, compute_dtype, make_kernels
 from lmloss.kernels.torch_ref import transform_into
 from lmloss.rows import Rows
-from lmloss.sampling import keep_thresholds
+from lmloss.sampling import keep_thresholds, keep_thresholds_by_kernels
 from lmloss.vocab_parallel import (
     all_reduce_max_,
     all_reduce_sum_,
@@ -286,9 +286,10 @@ class SoftmaxObjective:
         (into a buffer of its own, added after: the softmax gradient may overwrite the chunk)."""
         plan = self.plan
         xt = state["reference"](rows)
-        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags)
         ref_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied the softcap
         ref = kernels.softmax_partials(xt, None, ref_math, entropy=False, target=False, sum_logits=False)
+        # the policy's last: the PyTorch kernels' folded gradient reuses the exps its partials leave
+        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags)
         c = rows.count
         both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
         stats = finish(plan, both[:c], labels, self._counting(rows))
@@ -332,12 +333,10 @@ class SoftmaxObjective:
         return stats
 
     def _kl_by_difference(self, kernels, x, xt, reference_source) -> bool:
-        """Whether the KL can ride the policy's gradient pass (kernels that offer it, no softcap, both chunks
-        in the compute dtype and the reference's the caller's scratch)."""
-        return (
-            hasattr(kernels, "softmax_grad_with_difference_") and not self.plan.math.softcap
-            and x.dtype == xt.dtype == compute_dtype(x.dtype) and getattr(reference_source, "owns_chunks", False)
-        )  # fmt: skip
+        """Whether the KL can ride the policy's gradient pass (no softcap, and chunks the kernels' folded
+        gradient takes: `can_fold_difference`)."""
+        owned = getattr(reference_source, "owns_chunks", False)
+        return not self.plan.math.softcap and kernels.can_fold_difference(x, xt, owned)
 
     def _with_reference_by_difference(self, rows, x, xt, kernels, sink, labels, stats, ref_combined, out) -> dict:
         """`_with_reference`'s gradient in one pass with the policy's: ``KL = scale * sum p (x - x_ref) - (lse -
@@ -372,13 +371,16 @@ class SoftmaxObjective:
         plan = self.plan
         if plan.sampling is None:
             return None
+        k_max = min(plan.sampling.k_max, plan.shard.vocab_size)
+        if kernels.name == "triton" and not plan.math.softcap and not plan.invariant:  # its passes by kernels
+            return keep_thresholds_by_kernels(x, plan.math, plan.sampling.rows(rows), k_max, group=plan.tp_group,
+                                              want_full_lse=plan.sampling.log_kept_mass)  # fmt: skip
         if state["search"] is None:
             chunk = state["rows"]
             state["search"] = kernels if kernels.name == "torch" else make_kernels("torch", chunk, plan.shard.size, x.device)
         search = state["search"]
         return keep_thresholds(
-            search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(rows),
-            min(plan.sampling.k_max, plan.shard.vocab_size),
+            search.scaled(x, plan.math), x[:, : plan.math.valid], plan.sampling.rows(rows), k_max,
             group=plan.tp_group, scratch=search.scratch, want_full_lse=plan.sampling.log_kept_mass,
             invariant=plan.invariant, scale=None if plan.math.softcap else plan.math.scale,
         )  # fmt: skip

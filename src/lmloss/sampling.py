@@ -218,17 +218,18 @@ class ChunkThresholds:
 
     keep_min: ``[c]`` (y's dtype) the kept set's threshold per row on the logits x (``x >= keep_min``),
         -inf where nothing is cut.
-    row_max: ``[c]`` the global row max ``M`` of y (over the TP group).
+    row_max: ``[c]`` the global row max ``M`` of y (over the TP group); None where the kernels' search did
+        not need it (top-k alone).
     exps: ``[c, V_valid]`` ``exp(y - row_max)`` of every column, already 0 in some dropped ones (a scratch
-        buffer the kernels may reuse: `lmloss.kernels`, ``kept_exps``).
+        buffer the kernels may reuse: `lmloss.kernels`, ``kept_exps``); None from the kernels' search.
     full_lse: ``[c]`` the global ``logsumexp(y)`` over the whole vocabulary, or None (not asked).
     kept_mass: ``[c]`` ``sum exp(y - row_max)`` over the kept set, where the search found it on the way
         (top-p, one process: from its histogram and candidates); else None.
     """
 
     keep_min: torch.Tensor
-    row_max: torch.Tensor
-    exps: torch.Tensor
+    row_max: torch.Tensor | None
+    exps: torch.Tensor | None
     full_lse: torch.Tensor | None
     kept_mass: torch.Tensor | None = None
 
@@ -298,16 +299,16 @@ def keep_thresholds(
     )  # fmt: skip
 
 
-def _on_logits(x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, group, scratch, scale: float | None) -> torch.Tensor:
+def _on_logits(x: torch.Tensor, y, keep: torch.Tensor, group, scratch, scale: float | None) -> torch.Tensor:
     """The threshold on y, moved onto the logits: per row an x threshold that keeps exactly the x whose y is
     kept, -inf where nothing is cut. In y's dtype, which holds every x value exactly.
 
     `scale`: y is ``x * scale`` rounded to y's dtype (no softcap): the threshold follows from `keep` alone
     (`_smallest_kept`, a few per-row steps, no pass over the chunk, the same on every TP rank). Otherwise
     (softcap, whose tanh is not checked here to round alike in every evaluation) it is the smallest kept x
-    of the chunk (over the TP group: one MIN)."""
-    rows, cols = y.shape
-    dt = y.dtype
+    of the chunk (over the TP group: one MIN). `y`: the chunk's y, or a function making it (only that scan
+    reads it); `scratch` None: its buffer is a fresh one."""
+    rows, dt = keep.shape[0], keep.dtype
     cut = torch.isfinite(keep)
     if rows == 0 or not bool(cut.any()):
         return keep
@@ -315,10 +316,170 @@ def _on_logits(x: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, group, scra
         low = _smallest_kept(keep, cut, float(scale))
         if low is not None:
             return torch.where(cut, low, -math.inf)
-    kept_x = scratch.get("kept", rows, cols, dt).copy_(x).masked_fill_(y < keep[:, None], math.inf)
+    y = y() if callable(y) else y
+    cols = y.shape[1]
+    kept_x = torch.empty_like(y) if scratch is None else scratch.get("kept", rows, cols, dt)
+    kept_x.copy_(x).masked_fill_(y < keep[:, None], math.inf)
     low = kept_x.amin(dim=1) if cols else torch.full((rows,), math.inf, dtype=dt, device=y.device)
     low = all_reduce_max_(low.neg_(), group).neg_()
     return torch.where(cut, low, -math.inf)
+
+
+#: The most candidates per row the kernels' search (`keep_thresholds_by_kernels`) gathers from one crossing's
+#: bins; a row with more is solved by sorting it (as the rare rows whose crossing misses its bins are).
+KERNEL_CANDIDATES_MAX = 4096
+
+
+def keep_thresholds_by_kernels(
+    x: torch.Tensor, math_, params: dict, k_max: int, *, group: ProcessGroup | None, want_full_lse: bool
+) -> ChunkThresholds:
+    """`keep_thresholds` with the passes over the chunk made by Triton kernels (`lmloss.kernels.triton_sampling`;
+    CUDA, or CPU tensors under Triton's interpreter), for the default mode without softcap: the same kept set
+    (vLLM's, ties as documented), found on ``y = x * scale`` in fp32 without a ``[c, V]`` buffer. Per chunk,
+    each step one pass and at most one collective over `group`:
+
+    * min-p, top-p or the full mass: the row max (the softmax statistics kernel; one MAX);
+    * top-k: a count histogram of the kept-so-far columns (one SUM), then the crossing bin's columns (one
+      all-gather), sorted: the k-th largest. Alone it bins y's own bits (no max needed); before top-p it bins
+      ``exp(y - M)``, and its second pass also sums the mass above that bin, so that top-p needs no histogram;
+    * top-p: the histogram of ``exp(y - M)`` and the kept mass Z (one SUM, unless top-k made them), bounds of
+      each bin's mass give the bins where the mass from the top can cross ``top_p * Z``; their columns and the
+      mass above them (one all-gather) give the exact crossing in float64 (`_crossing_among`).
+
+    Rows whose crossing bins hold more than `KERNEL_CANDIDATES_MAX` columns, or whose crossing is not among the
+    candidates, are sorted (`_kth_largest`, `_dense_top_p`; counted in `FALLBACK_ROWS` for top-p). `exps` and
+    `kept_mass` of the result are None (the Triton kernels make their own)."""
+    from lmloss.kernels import triton_sampling as ts
+    from lmloss.kernels.triton_kernels import softmax_partials
+
+    rows, dev, f32 = x.shape[0], x.device, torch.float32
+    top_k, top_p, min_p = params["top_k"], params["top_p"], params["min_p"]
+    p_rows = None if top_p is None else _per_row(top_p, rows, dev, torch.float64)
+    p_active = p_rows is not None and bool((p_rows < 1.0).any())
+    cap = KERNEL_CANDIDATES_MAX
+    y_made = []
+
+    def y_of():  # the chunk's y in fp32, made only for the rows the kernels' search leaves to a sort
+        if not y_made:
+            y_made.append(torch.mul(x[:, : math_.valid].to(f32), math_.scale))
+        return y_made[0]
+
+    keep = torch.full((rows,), -math.inf, dtype=f32, device=dev)
+
+    def on_x(keep):  # the kept-so-far set as the kernels read it: a threshold on the logits
+        return _on_logits(x[:, : math_.valid], y_of, keep, group, None, math_.scale)
+
+    big_m = full = None
+    pending = []  # this rank's share of sums the next SUM carries (the full mass)
+    if min_p is not None or p_active or want_full_lse:
+        part = softmax_partials(x, None, math_, entropy=False, target=False, sum_logits=False)
+        big_m = all_reduce_max_(part[:, 0].clone(), group)
+        if want_full_lse:
+            pending.append(torch.where(part[:, 1] > 0, part[:, 1] * torch.exp(part[:, 0] - big_m), 0.0))
+    finite = torch.ones(rows, dtype=torch.bool, device=dev) if big_m is None else torch.isfinite(big_m)
+    if min_p is not None:
+        t = big_m.double() + torch.log(_per_row(min_p, rows, dev, torch.float64))  # log(0) = -inf: nothing cut
+        keep = torch.where(finite, torch.maximum(keep, _round_up_to(t, f32)), keep)
+
+    def summed(*parts):  # one SUM over the group of the parts (fp32 columns) and what is pending
+        cols = [q.to(f32).reshape(rows, -1) for q in (*parts, *pending)]
+        out = all_reduce_sum_(torch.cat(cols, dim=1), group)
+        if pending:
+            pending.clear()
+            return out[:, :-1], out[:, -1]
+        return out, None
+
+    def gathered(values, above):  # one all-gather of every rank's candidates and mass above them
+        packed = torch.cat([above[:, None], values], dim=1)
+        if world_size(group) > 1:
+            parts = [torch.empty_like(packed) for _ in range(world_size(group))]
+            dist.all_gather(parts, packed, group=group)
+            packed = torch.stack(parts)
+        else:
+            packed = packed[None]
+        above = packed[:, :, 0].double().sum(0)
+        cand = packed[:, :, 1:].permute(1, 0, 2).reshape(rows, -1).sort(dim=1, descending=True).values
+        return cand, above
+
+    def suffix(t):  # per bin, the sum over that bin and every bin above it
+        return t.flip(1).cumsum(1).flip(1)
+
+    sorted_rows = torch.zeros(rows, dtype=torch.bool, device=dev)  # top-k rows sorted: top-p sorts them too
+    counts = z_mass = None
+    if top_k is not None:
+        k = _per_row(top_k, rows, dev, torch.int64)
+        mode = ts.MODE_MASS if p_active else ts.MODE_KEY
+        lo = on_x(keep)
+        hist, mass = ts.histogram(x, math_, lo, big_m, mode)
+        total, full_sum = summed(hist, mass)
+        full = full_sum if full_sum is not None else full
+        hist = total[:, : ts.NBINS].round().to(torch.int64)
+        at_or_above = suffix(hist)
+        cut = finite & (k <= at_or_above[:, 0])
+        b_k = ((at_or_above >= k[:, None]).sum(1) - 1).clamp(min=0)
+        above_count = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], 1).gather(1, (b_k + 1)[:, None])[:, 0]
+        in_bin = hist.gather(1, b_k[:, None])[:, 0]
+        dense = cut & (in_bin > cap)
+        picked = cut & ~dense
+        width = int(torch.where(picked, in_bin, 0).max()) if rows else 0
+        # rows not cut: an empty window (their mass above it is all their kept mass, which top-p needs)
+        b_lo = torch.where(picked, b_k, ts.NBINS).to(torch.int32)
+        b_hi = torch.where(picked, b_k, -1).to(torch.int32)
+        values, _, above = ts.candidates(x, math_, lo, big_m, b_lo, b_hi, width, mode)
+        cand, above = gathered(values, above)
+        kth = cand.gather(1, (k - above_count - 1).clamp(0, cand.shape[1] - 1)[:, None])[:, 0]
+        keep = torch.where(picked, torch.maximum(keep, kth), keep)
+        if bool(dense.any()):
+            idx = dense.nonzero(as_tuple=True)[0]
+            kth_dense = _kth_largest(y_of()[idx], k[idx], k_max, group)
+            keep[idx] = torch.maximum(keep[idx], kth_dense)
+            sorted_rows = dense
+        if p_active:  # the kept-so-far set's histogram and mass, from this pass: no pass of its own for top-p
+            kept_cand = (cand >= keep[:, None]) & torch.isfinite(cand)
+            counts = torch.where(torch.arange(ts.NBINS, device=dev)[None, :] > b_k[:, None], hist, 0)
+            counts = torch.where(picked[:, None], counts, hist)
+            counts.scatter_add_(1, b_k[:, None], torch.where(picked, kept_cand.sum(1), 0)[:, None])
+            cand_mass = torch.where(kept_cand, torch.exp(cand.double() - big_m.double()[:, None]), 0.0)
+            z_mass = above + cand_mass.sum(1)
+    if p_active:
+        lo = on_x(keep)
+        if counts is None:
+            hist, mass = ts.histogram(x, math_, lo, big_m, ts.MODE_MASS)
+            total, full_sum = summed(hist, mass)
+            full = full_sum if full_sum is not None else full
+            counts, z_mass = total[:, : ts.NBINS].round().to(torch.int64), total[:, ts.NBINS].double()
+        target = p_rows * z_mass
+        low, high = ts.mass_bin_bounds(dev)
+        # the kernels' exp is within a few ulps of exp: bounds with a margin; a crossing outside the window is
+        # caught below (`_crossing_among`) and sorted
+        a_min = suffix(counts.double() * (low * (1 - 2.0**-16)))
+        a_max = suffix(counts.double() * (high * (1 + 2.0**-16)))
+        b_hi = ((a_max >= target[:, None]).sum(1) - 1).clamp(min=0)
+        b_lo = torch.minimum(((a_min >= target[:, None]).sum(1) - 1).clamp(min=0), b_hi)
+        in_window = suffix(counts).gather(1, b_lo[:, None])[:, 0] - torch.cat(
+            [suffix(counts), counts.new_zeros(rows, 1)], 1).gather(1, (b_hi + 1)[:, None])[:, 0]  # fmt: skip
+        active = (p_rows < 1.0) & finite
+        dense = active & ((in_window > cap) | sorted_rows)
+        picked = active & ~dense
+        width = int(torch.where(picked, in_window, 0).max()) if rows else 0
+        values, _, above = ts.candidates(
+            x, math_, lo, big_m, torch.where(picked, b_lo, ts.NBINS).to(torch.int32),
+            torch.where(picked, b_hi, -1).to(torch.int32), width, ts.MODE_MASS,
+        )  # fmt: skip
+        cand, above = gathered(values, above)
+        with one_thread(dev):
+            t, _, missed = _crossing_among(cand, above, target, keep, big_m)
+            miss = dense | (picked & missed)
+            if bool(miss.any()):
+                t_dense, _ = _dense_top_p(y_of(), keep, big_m, p_rows, miss, group)
+                t = torch.where(miss, t_dense, t)
+        keep = torch.maximum(keep, torch.where(active, t, -math.inf).to(f32))
+    full_lse = None
+    if want_full_lse:
+        if full is None:
+            full = all_reduce_sum_(pending.pop(), group)
+        full_lse = (big_m.double() + full.double().log()).to(f32)
+    return ChunkThresholds(keep_min=on_x(keep), row_max=big_m, exps=None, full_lse=full_lse)
 
 
 def _smallest_kept(keep: torch.Tensor, cut: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -443,28 +604,38 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     vals = y[r, col]
     with one_thread(dev):
         cand = _candidates(vals, r, rows, group)  # [c, C] descending, -inf padded
-        cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
-        if keep_cut:
-            cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0.0)
-        # a candidate is kept iff the mass strictly above it is < target: a prefix of the descending list.
-        # Per position, not per run of equal values: the threshold is the last kept value, and y >= t keeps
-        # all of its equals, which is what the rule on runs keeps
-        cum = cand_mass.cumsum(1)
-        kept = (cum - cand_mass < (target - above)[:, None]) & (cand_mass > 0)
-        n_kept = kept.sum(1)
-        t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
-        kept_mass = above + torch.where(cand >= t[:, None], cand_mass, 0.0).sum(1)
-        # the crossing must lie among the candidates: something kept, and not all while mass remains below
-        # (fp32 rounding of a bin's sum right at a bin edge can put it one bin off: that row is sorted)
-        all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & (above + cum[:, -1] < target)
+        t, kept_mass, missed = _crossing_among(cand, above, target, keep if keep_cut else None, big_m)
         active = (top_p < 1.0) & finite
-        miss = active & ((n_kept == 0) | all_kept_short)
+        miss = active & missed
         if bool(miss.any()):
             t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group)
             t = torch.where(miss, t_dense, t)
             kept_mass = torch.where(miss, mass_dense, kept_mass)
         kept_mass = torch.where(active, kept_mass, at_or_above[:, 0])
         return torch.where(active, t, -math.inf), kept_mass
+
+
+def _crossing_among(cand, above, target, keep, big_m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-p's crossing among the candidates ``cand [c, C]`` (descending, -inf padded): the tokens of the bins
+    where the mass from the top crosses `target` (float64 ``[c]``), `above` (float64 ``[c]``) the mass of every
+    token above them, masses ``exp(y - big_m)`` in float64, those below `keep` (None: none) left out. Returns the
+    threshold (the last kept value), the kept set's mass and the rows whose crossing is not among the candidates
+    (nothing kept, or all kept with mass still short of the target: the caller sorts those rows)."""
+    cand_mass = torch.exp(cand.double() - big_m.double()[:, None])  # the padding's is 0
+    if keep is not None:
+        cand_mass = torch.where(cand >= keep[:, None], cand_mass, 0.0)
+    # a candidate is kept iff the mass strictly above it is < target: a prefix of the descending list.
+    # Per position, not per run of equal values: the threshold is the last kept value, and y >= t keeps
+    # all of its equals, which is what the rule on runs keeps
+    cum = cand_mass.cumsum(1)
+    kept = (cum - cand_mass < (target - above)[:, None]) & (cand_mass > 0)
+    n_kept = kept.sum(1)
+    t = cand.gather(1, (n_kept - 1).clamp(min=0)[:, None]).squeeze(1)
+    kept_mass = above + torch.where(cand >= t[:, None], cand_mass, 0.0).sum(1)
+    # the crossing must lie among the candidates: something kept, and not all while mass remains below
+    # (fp32 rounding of a bin's sum right at a bin edge can put it one bin off: that row is sorted)
+    all_kept_short = (n_kept == (cand_mass > 0).sum(1)) & (above + cum[:, -1] < target)
+    return t, kept_mass, (n_kept == 0) | all_kept_short
 
 
 #: Rows per `scatter_add` of the invariant top-p's float64 histogram (a ``[rows, V]`` float64 copy of the exps).

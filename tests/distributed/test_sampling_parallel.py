@@ -10,6 +10,8 @@ reference over the unsharded logits (vLLM's order, written out below):
   replay   the reference's kept ids as ``support=`` over the even shards (and their kept mass), and
            fused under sequence parallelism
   fused    hidden [16, H] and a weight sharded 100 + 100, top_k + top_p + min_p
+  triton   even and uneven again with impl="triton" (Triton's interpreter on these CPU tensors): the kept set
+           found by the Triton search's kernels, each of its steps with at most one collective
 """
 
 from __future__ import annotations
@@ -124,6 +126,49 @@ def _worker(rank, world):
     )  # fmt: skip
     lp.sum().backward()
     out["fused_replay_sp"] = (lp, hs.grad, ws.grad)
+    out.update(_triton_cases(rank, group, full, labels, logits, labels_u, kw))
+    return out
+
+
+def _triton_cases(rank, group, full, labels, logits, labels_u, kw):
+    """The even and uneven cases with the Triton kernels, and the search's steps: the order in which its
+    kernels and collectives ran (a step is a kernel and the collectives before the next one)."""
+    from lmloss import sampling
+    from lmloss.kernels import triton_kernels, triton_sampling
+
+    events = []
+
+    def recorded(module, name, kind):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            events.append(kind)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    patches = [(sampling, "all_reduce_sum_", "collective"), (sampling, "all_reduce_max_", "collective"),
+               (sampling.dist, "all_gather", "collective"), (triton_sampling, "histogram", "kernel"),
+               (triton_sampling, "candidates", "kernel"), (triton_kernels, "softmax_partials", "kernel")]  # fmt: skip
+    saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
+    for m, n, kind in patches:
+        setattr(m, n, recorded(m, n, kind))
+    try:
+        x = full[:, rank * 100 : (rank + 1) * 100].clone().requires_grad_()
+        lp, ent, mass = lmloss.token_logprobs(x, labels, return_entropy=True, return_log_kept_mass=True,
+                                              impl="triton", **kw)  # fmt: skip
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+    (lp + ent).sum().backward()
+    out = {"triton_even": (lp, ent, mass, x.grad), "triton_events": events}
+    start, stop = (81, 201) if rank == 0 else (0, 81)
+    xu = logits[:, start:stop].clone().requires_grad_()
+    lp, ent = lmloss.token_logprobs(
+        xu, labels_u, return_entropy=True, vocab_start=start, vocab_size=195, impl="triton", **kw
+    )
+    (lp + ent).sum().backward()
+    out["triton_uneven"] = (lp, ent, xu.grad)
     return out
 
 
@@ -152,7 +197,7 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
     assert not kept[:4, 100:].any()  # rank 1 keeps nothing in those rows
     labels = _labels_in(kept, 1)
     lp, ent, mass, grad = _reference(full, labels, kept)
-    for name in ("even", "replay"):
+    for name in ("even", "replay", "triton_even"):
         for rank, res in enumerate(results):
             got = res[name]
             torch.testing.assert_close(got[0].double(), lp, **tol, msg=f"{name} logprobs rank {rank}")
@@ -166,10 +211,19 @@ def test_sampling_under_tp2_matches_the_unsharded_float64_reference():
     lp, ent, _, grad = _reference(logits[:, :195], labels_u, kept_u)
     grad = torch.cat([grad, torch.zeros(N, 6, dtype=grad.dtype)], dim=1)  # padding columns: no gradient
     for rank, (start, stop) in enumerate([(81, 201), (0, 81)]):
-        got = results[rank]["uneven"]
-        torch.testing.assert_close(got[0].double(), lp, **tol)
-        torch.testing.assert_close(got[1].double(), ent, **tol)
-        torch.testing.assert_close(got[2].double(), grad[:, start:stop], **tol)
+        for name in ("uneven", "triton_uneven"):
+            got = results[rank][name]
+            torch.testing.assert_close(got[0].double(), lp, **tol)
+            torch.testing.assert_close(got[1].double(), ent, **tol)
+            torch.testing.assert_close(got[2].double(), grad[:, start:stop], **tol)
+
+    # the Triton search: every kernel of it is followed by at most one collective before the next kernel
+    # (the forward's own partials kernel and its combine after it: the last step has the op's MAX and SUM)
+    for res in results:
+        events = res["triton_events"]
+        assert events.count("kernel") >= 3 * 3 and events.count("collective") >= 3 * 3  # 3 chunks, 3+ steps each
+        steps = "".join("k" if e == "kernel" else "c" for e in events).split("k")[1:]
+        assert all(len(step) <= 1 for step in steps[:-1]), events
 
     kept_f = vllm_kept((hidden.double() @ weight.double().T) / T, TOP_K, TOP_P, MIN_P)
     labels_f = _labels_in(kept_f, 3)

@@ -70,10 +70,23 @@ the kernel then normalises each row itself (``ls = log_softmax(scale * xs)``), w
 calling ``finish(partials) -> (result, coef)`` in between. ``overwrite=True``: both chunks are the caller's
 scratch (and `out` may be `xs`); they may be overwritten. Implementations: `lmloss.kernels.torch_distill`
 and `lmloss.kernels.triton_distill` (``normalises_rows``: whether ``lse=None`` is supported; PyTorch only).
-A sparse teacher needs only the single-distribution contract above. PyTorch only, where an objective
-finds it (``hasattr``): ``softmax_grad_with_difference_(x, labels, z, lse, math, finish, out)``, the
-policy's softmax gradient with the full KL to a reference chunk ``z`` in the same pass (no softcap; see its
-docstring), which the RL objective uses instead of the divergence kernels when present.
+A sparse teacher needs only the single-distribution contract above.
+
+**The folded full KL** (both implementations since issue #33; the RL objective's ``kl_loss_type="full"``,
+`lmloss.objectives.SoftmaxObjective`): ``softmax_grad_with_difference_(x, labels, z, lse, math, finish, out, *,
+uniform_term) -> sums`` is `softmax_grad_` with one more term against a second chunk ``z`` of the same columns (the
+reference policy's logits, its softcap applied; ``math`` without softcap): ``sums = sum_j p_j (x_j - z_j)`` over
+the valid columns (this shard's, ``[c]``), then ``coef, z_coef, entropy = finish(sums)`` (the TP SUM and the
+objective's upstream), then
+
+    out = dy/dx * (a p + d p (log p + H) + z_coef p (x - z)) + b [j == label] + c
+
+(a row whose coefficients and ``z_coef`` are all 0 gets exactly 0, whatever its x or z hold). Which chunks it takes:
+``can_fold_difference(x, z, z_is_scratch) -> bool`` (the PyTorch kernels write ``x - z`` over ``z``: it must be
+the caller's scratch in x's compute dtype; the Triton kernels read any float dtypes and write neither). The
+PyTorch kernels reuse the exps the policy's `softmax_partials` of the same chunk left in their scratch when it is
+the last call before (the objective makes the reference's partials first); the Triton kernels make the sums in one
+kernel (`triton_kernels.difference_sums`) and the term in the gradient kernel (``DIFF``).
 
 Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softmax_grad_`` and
 ``partials_then_grad_`` take an optional ``keep_min [c]`` (y's dtype). A valid column with
@@ -88,9 +101,13 @@ row max, so ``e`` may be overwritten) and, where it summed it, the kept set's ma
 rank's kept columns. An implementation may use them instead of recomputing (the PyTorch one does; its
 ``m`` is then ``shift``, which the TP combine accepts: the partials are the same relative to any shift
 at or above the kept values) or ignore them (the Triton kernels do: their one pass makes its own exps;
-they take ``keep_min`` behind a ``KEEP`` constexpr, so the plain kernels compile unchanged). The
-thresholds are found on PyTorch's rounding of ``y``; with softcap the Triton tanh rounds differently, so
-the plan runs sampling ops with softcap on ``impl="torch"``.
+they take ``keep_min`` behind a ``KEEP`` constexpr, so the plain kernels compile unchanged). The thresholds
+are found by `lmloss.sampling.keep_thresholds` on PyTorch's rounding of ``y`` (any implementation with softcap,
+whose Triton tanh rounds differently, or in invariant mode), or, with the Triton kernels otherwise, by
+`lmloss.sampling.keep_thresholds_by_kernels` with the search's own Triton kernels (`lmloss.kernels.triton_sampling`:
+a histogram of the row's columns over fixed bins and the candidates of a window of bins, each one read of the chunk;
+their contract is in that module) on the same fp32 products ``x * scale``: the same kept set, without a
+``[c, V]`` buffer.
 
 **Invariant mode** (``invariant=True`` of the ops, docs/invariant.md): instead of `softmax_partials`, the
 objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, keep_min=None,
@@ -107,7 +124,9 @@ width or the block's position in the shard; the last block of the vocabulary may
 columns take no part, in the same fixed positions). `lmloss.vocab_parallel.combine_blocks` then combines
 the blocks exactly (fixed point, integer sums: no order at all). Both implementations: the PyTorch one
 shifts by the global max (and reuses `kept_exps`, which are shifted by it), the Triton one by each block's
-max in its one pass. `block` 1 (a replayed support's slots, which the ranks hold scattered) makes every
+max in its one pass, and sums each block exactly too (int32 sums of terms rounded to 2**-22 of the block's max:
+no layout, alignment or code path of the compiled kernel changes a bit; a row with a NaN or +inf logit gets NaN
+sums in its first block). `block` 1 (a replayed support's slots, which the ranks hold scattered) makes every
 slot its own block. The gradient contract is unchanged: `softmax_grad_` is elementwise given the row's lse
 and coefficients, so it needs no invariant variant (the PyTorch ``partials_then_grad_`` reuse of the
 forward's exps is not used in this mode).
@@ -241,9 +260,12 @@ class ChunkScratch:
     def __init__(self, rows: int, cols: int, device: torch.device) -> None:
         self.rows, self.cols, self.device = rows, cols, device
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        #: how many views were handed out: what one call left in the buffers is still there while it is unchanged
+        self.handed_out = 0
 
     def get(self, name: str, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A ``[rows, cols]`` view of the buffer `name` (made on first use at the full chunk size)."""
+        self.handed_out += 1
         buf = self._buffers.get((name, dtype))
         if buf is None:
             buf = torch.empty((self.rows, self.cols), dtype=dtype, device=self.device)

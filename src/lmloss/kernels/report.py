@@ -9,8 +9,11 @@ inside the triton wheel. Per kernel and role it prints:
 - ``registers``, ``spills`` (local-memory stores, ``STL``), ``shared_memory`` (bytes, Triton's allocation);
 - ``vectorized_main_loop``: every global load and store of the main loop is 16 bytes wide (``.128``);
 - ``instructions_per_element``: SASS instructions of the innermost loop that streams the row (the loop's
-  body, branch included) divided by the elements each thread handles per iteration (bytes its ``LDG``s load
-  / the element size, so an unrolled loop counts right).
+  body, branch included; for the candidates' pass, whose steps rarely take their branch, the common path)
+  divided by the elements each thread handles per iteration (bytes its ``LDG``s load / the element size, so an
+  unrolled loop counts right; the full KL's kernels load two chunks per element);
+- ``bytes_per_element`` (from memory, per element of the row) and ``budget``: the instructions per element an
+  H100 issues in the time its memory moves those bytes (`ISSUE_PER_BYTE`); a loop within it is memory-bound.
 
 These are static figures: they bound the hot loop's issue cost against the memory floor (about 4.4
 instructions per thread per ns per SM on an H100 against ~3 TB/s), and say nothing of latency or occupancy
@@ -42,14 +45,28 @@ WIDTHS: tuple[tuple[str, int, int], ...] = (
     ("151936/tp8-last", 18992, 18699),
 )
 
-#: (kernel, role, stores): each role is measured on the first of its kernel's main loops (`main_loops`) that
-#: stores to global memory (a gradient pass) or not (a statistics pass), as `stores` says.
-ROLES: tuple[tuple[str, str, bool], ...] = (
-    ("softmax_partials", "forward", False),
-    ("softmax_grad", "backward", True),
-    ("cross_entropy_loss_and_grad", "cross_entropy_pass1", False),
-    ("cross_entropy_loss_and_grad", "cross_entropy_pass2", True),
+#: (kernel, role, stores, bytes per element): each role is measured on the first of its kernel's main loops
+#: (`main_loops`) that stores to global memory (a gradient pass) or not (a statistics pass), as `stores` says;
+#: its bytes from memory per bf16 element (a gradient pass reads and writes; the one-kernel loss's second pass
+#: re-reads its row from L2; the invariant pass writes 16 bytes per 128 columns).
+ROLES: tuple[tuple[str, str, bool, float], ...] = (
+    ("softmax_partials", "forward", False, 2),
+    ("softmax_grad", "backward", True, 4),
+    ("cross_entropy_loss_and_grad", "cross_entropy_pass1", False, 2),
+    ("cross_entropy_loss_and_grad", "cross_entropy_pass2", True, 2),
+    ("softmax_grad", "backward_full_kl", True, 6),
+    ("difference_sums", "full_kl_sums", False, 4),
+    ("search_histogram", "top_k_histogram", False, 2),
+    ("search_histogram", "top_p_histogram", False, 2),
+    ("search_candidates", "top_p_candidates", False, 2),
+    ("block_partials", "invariant_forward", False, 2.125),
 )
+#: The roles of the default report (`--role` picks others): the plain ops' kernels, and since issue #33 the full
+#: KL's, the kept set's search and the invariant mode's.
+DEFAULT_ROLES = tuple(role for _, role, _, _ in ROLES)
+#: H100 SXM: 132 SMs x 4 schedulers x 32 lanes at ~1.7 GHz issue 2.87e13 thread-instructions per second; ~3.0 TB/s
+#: of HBM3 bandwidth is achievable: instructions per element a pass may issue per byte it moves.
+ISSUE_PER_BYTE = 132 * 4 * 32 * 1.7e9 / 3.0e12
 
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -70,6 +87,12 @@ class Row:
     instructions_per_element: float
     loop_instructions: int
     elements_per_thread: float
+    bytes_per_element: float = 0.0
+    budget: float = 0.0
+
+    @property
+    def within_budget(self) -> bool:
+        return self.instructions_per_element <= self.budget
 
 
 def _bin(tool: str) -> str:
@@ -106,8 +129,8 @@ def _access_bytes(instruction: str) -> int | None:
     return next((sizes[p] for p in parts[1:] if p in sizes), 4)
 
 
-def innermost_loops(sass: str) -> list[list[str]]:
-    """The bodies (instruction texts, label to backward branch) of the innermost loops, in program order."""
+def _inner_spans(sass: str) -> list[tuple[int, int]]:
+    """Line spans (label, backward branch) of the innermost loops, in program order."""
     lines = sass.splitlines()
     labels: dict[str, int] = {}
     loops: list[tuple[int, int]] = []
@@ -116,24 +139,49 @@ def innermost_loops(sass: str) -> list[list[str]]:
             labels[m.group(1)] = i
         elif (m := _BRANCH.search(line)) and m.group(1) in labels:
             loops.append((labels[m.group(1)], i))
-    inner = [(a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)]
-    return [[m.group(1) for line in lines[a : b + 1] if (m := _INSTRUCTION.match(line))] for a, b in inner]
+    return [(a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)]
+
+
+def _body(lines: list[str], a: int, b: int) -> list[str]:
+    return [m.group(1) for line in lines[a : b + 1] if (m := _INSTRUCTION.match(line))]
+
+
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The bodies (instruction texts, label to backward branch) of the innermost loops, in program order."""
+    lines = sass.splitlines()
+    return [_body(lines, a, b) for a, b in _inner_spans(sass)]
+
+
+def _streams(body: list[str]) -> bool:
+    loads = [i for i in body if _opcode(i).startswith("LDG")]
+    return bool(loads) and not any(i.startswith("@") for i in loads)
 
 
 def main_loops(sass: str) -> list[list[str]]:
     """Innermost loops that stream the row: they load from global memory and no load is predicated."""
-    found = []
-    for body in innermost_loops(sass):
-        loads = [i for i in body if _opcode(i).startswith("LDG")]
-        if loads and not any(i.startswith("@") for i in loads):
-            found.append(body)
-    return found
+    return [body for body in innermost_loops(sass) if _streams(body)]
 
 
-def measure(body: list[str], element_size: int) -> tuple[bool, int, float]:
-    """(every global access 16 bytes, instructions, elements per thread per iteration) of a loop body."""
+def common_path(sass: str) -> list[str]:
+    """The first streaming loop's body without the instructions its longest forward branch skips (a step
+    that is rarely taken: the search's candidates)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    a, b = next((a, b) for a, b in _inner_spans(sass) if _streams(_body(lines, a, b)))
+    skipped = 0
+    for i in range(a, b):
+        m = _BRANCH.search(lines[i])
+        if m and a < labels.get(m.group(1), -1) <= b and labels[m.group(1)] > i:
+            skipped = max(skipped, len(_body(lines, i + 1, labels[m.group(1)])))
+    body = _body(lines, a, b)
+    return body[: len(body) - skipped]
+
+
+def measure(body: list[str], element_size: int, streamed_stores: bool = True) -> tuple[bool, int, float]:
+    """(every global access 16 bytes, instructions, elements per thread per iteration) of a loop body.
+    `streamed_stores` False: the stores are per-block results, not the row (only the loads must be 16 bytes)."""
     accesses = [(i, _access_bytes(i)) for i in body]
-    accesses = [(i, b) for i, b in accesses if b is not None]
+    accesses = [(i, b) for i, b in accesses if b is not None and (streamed_stores or "LDG" in i)]
     loaded = sum(b for i, b in accesses if "LDG" in i)
     return all(b == 16 for _, b in accesses), len(body), loaded / element_size
 
@@ -154,61 +202,113 @@ def kernel_rows(
     """Compile the kernels the ops launch for bf16 logits ``[N, width]`` (contiguous, `valid` vocabulary
     columns), at their default blocks, and measure each role's loop. Default options: log-probs / plain
     cross-entropy at temperature 1; `all_options`: temperature, softcap, entropy, label smoothing and
-    z-loss all on."""
+    z-loss all on (the roles that take them)."""
+    from lmloss.kernels import INVARIANT_BLOCK
     from lmloss.kernels import triton_kernels as tk
+    from lmloss.kernels import triton_sampling as ts
 
+    roles = DEFAULT_ROLES if roles is None else roles
     f32, i32 = "fp32", "i32"
-    pointers = {"x_ptr", "out_ptr", "labels_ptr", "lse_ptr", "entropy_ptr", "coef_ptr", "res_ptr",
-                "grad_scale_ptr", "keep_ptr"}  # fmt: skip
+    pointers = {"x_ptr", "out_ptr", "labels_ptr", "lse_ptr", "entropy_ptr", "coef_ptr", "res_ptr", "z_ptr", "zc_ptr",
+                "grad_scale_ptr", "keep_ptr", "target_ptr", "lo_ptr", "shift_ptr", "counts_ptr", "mass_ptr",
+                "bits_ptr", "values_ptr", "count_ptr", "above_ptr"}  # fmt: skip
     sixteen = {name for name, n in (("valid", valid), ("n_cols", width)) if n % 16 == 0}
     if width % 16 == 0:
-        sixteen |= {"x_row_stride", "out_row_stride"}
+        sixteen |= {"x_row_stride", "out_row_stride", "z_row_stride"}
     math = {"scale": f32, "inv_cap": f32, "cap_scale": f32}
     on = all_options
     flags = dict(SCALE=on, SOFTCAP=on, ALIGN=8, FAST=True)
+    grad_sig = {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
+                "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": i32,
+                "valid": i32, "vocab_start": i32, **math, "keep_ptr": "*fp32", "z_ptr": "*bf16", "z_row_stride": i32,
+                "zc_ptr": "*fp32"}  # fmt: skip
+    search_sig = {"x_ptr": "*bf16", "x_row_stride": i32, "lo_ptr": "*fp32", "shift_ptr": "*fp32"}
+    # role -> (kernel, block table, n for the table, signature, constexprs, rare branch, streamed stores)
     specs = {
-        "softmax_partials": (
+        "forward": (
             tk._softmax_partials_kernel, tk.FORWARD_BLOCKS, valid,
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": i32,
              "vocab_start": i32, **math, "keep_ptr": "*fp32"},
-            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False),
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False), False, True,
         ),
-        "softmax_grad": (
-            tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width,
-            {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
-             "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_ptr": "*fp32", "n_cols": i32,
-             "valid": i32, "vocab_start": i32, **math, "keep_ptr": "*fp32"},
-            dict(flags, ENTROPY=on, LABELS=True, KEEP=False),
+        "backward": (tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width, grad_sig,
+                     dict(flags, ENTROPY=on, LABELS=True, KEEP=False, DIFF=False), False, True),
+        # the folded full KL: no softcap (the fold needs dy/dx = scale)
+        "backward_full_kl": (tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width, grad_sig,
+                             dict(flags, SOFTCAP=False, ENTROPY=on, LABELS=True, KEEP=False, DIFF=True), False, True),
+        "full_kl_sums": (
+            tk._difference_sums_kernel, tk.FORWARD_BLOCKS, valid,
+            {"x_ptr": "*bf16", "x_row_stride": i32, "z_ptr": "*bf16", "z_row_stride": i32, "lse_ptr": "*fp32",
+             "out_ptr": "*fp32", "valid": i32, "scale": f32},
+            dict(SCALE=on, ALIGN=8, FAST=True), False, True,
         ),
-        "cross_entropy_loss_and_grad": (
+        "cross_entropy": (
             tk._cross_entropy_loss_grad_kernel, tk.FORWARD_BLOCKS if on else tk.CROSS_ENTROPY_BLOCKS, width,
             {"x_ptr": "*bf16", "x_row_stride": i32, "out_ptr": "*bf16", "out_row_stride": i32,
              "labels_ptr": "*i64", "res_ptr": "*fp32", "grad_scale_ptr": "*fp32", "n_rows": i32, "n_cols": i32,
              "valid": i32, "ignore_index": i32, **math, "eps": f32, "z_loss": f32, "inv_vocab": f32},
-            dict(flags, SMOOTHING=on, Z_LOSS=on),
+            dict(flags, SMOOTHING=on, Z_LOSS=on), False, True,
+        ),
+        "top_k_histogram": (
+            ts._histogram_kernel, tk.FORWARD_BLOCKS, valid,
+            {**search_sig, "counts_ptr": "*i32", "mass_ptr": "*fp32", "valid": i32, "scale": f32},
+            dict(SCALE=on, MODE=ts.MODE_KEY, NB=ts.NBINS, ALIGN=8, FAST=True), False, True,
+        ),
+        "top_p_histogram": (
+            ts._histogram_kernel, tk.FORWARD_BLOCKS, valid,
+            {**search_sig, "counts_ptr": "*i32", "mass_ptr": "*fp32", "valid": i32, "scale": f32},
+            dict(SCALE=on, MODE=ts.MODE_MASS, NB=ts.NBINS, ALIGN=8, FAST=True), False, True,
+        ),
+        "top_p_candidates": (
+            ts._candidates_kernel, tk.FORWARD_BLOCKS, valid,
+            {**search_sig, "bits_ptr": "*i32", "values_ptr": "*fp32", "count_ptr": "*i32", "above_ptr": "*fp32",
+             "valid": i32, "width": i32, "scale": f32},
+            dict(SCALE=on, MODE=ts.MODE_MASS, ALIGN=8, FAST=True), True, False,
+        ),
+        "invariant_forward": (
+            tk._block_partials_kernel, None, valid,
+            {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "target_ptr": "*fp32",
+             "valid": i32, "n_blocks": i32, "vocab_start": i32, **math, "keep_ptr": "*fp32"},
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False, BLOCK=INVARIANT_BLOCK,
+                 GROUP=tk.BLOCK_GROUP), False, False,
         ),
     }  # fmt: skip
     rows = []
-    for name, (kernel, table, n, signature, constexprs) in specs.items():
-        wanted = [(role, stores) for k, role, stores in ROLES if k == name and (roles is None or role in roles)]
-        if not wanted:
+    compiled_for: dict[tuple, tuple] = {}
+    for kernel_name, role, stores, nbytes in ROLES:
+        if role not in roles:
             continue
-        block, warps = tk.block_config(n, table)
-        compiled = _compile(kernel, signature, dict(constexprs, BLOCK_V=block), pointers | sixteen, warps)
-        sass, registers = _sass_and_registers(compiled.asm["cubin"])
+        key = "cross_entropy" if kernel_name == "cross_entropy_loss_and_grad" else role
+        kernel, table, n, signature, constexprs, rare_branch, streamed_stores = specs[key]
+        if table is None:  # the invariant kernel's fixed tile
+            block, warps = tk.INVARIANT_BLOCK * tk.BLOCK_GROUP, tk.BLOCK_WARPS
+            extra = {}
+        else:
+            block, warps = tk.block_config(n, table)
+            extra = {"BLOCK_V": block}
+        if key not in compiled_for:
+            aligned = {a for a in pointers | sixteen if a in signature}
+            compiled = _compile(kernel, signature, dict(constexprs, **extra), aligned, warps)
+            compiled_for[key] = (compiled, *_sass_and_registers(compiled.asm["cubin"]))
+        compiled, sass, registers = compiled_for[key]
         loops = main_loops(sass)
         spills = sum(1 for line in sass.splitlines() if re.search(r"\bSTL\b", line))
-        for role, stores in wanted:
+        if rare_branch or not streamed_stores:  # its stores (if any) are a few per step, not the row: its loop
+            body = loops[0] if loops else None
+        else:
             body = next((b for b in loops if any(_opcode(i).startswith("STG") for i in b) == stores), None)
-            if body is None:
-                raise RuntimeError(f"{name}: no main loop {'with' if stores else 'without'} stores in the SASS")
-            vectorized, count, elements = measure(body, element_size=2)
-            rows.append(Row(
-                kernel=name, role=role, vocab=label, block_v=block, num_warps=warps, registers=registers,
-                spills=spills, shared_memory=int(compiled.metadata.shared), vectorized_main_loop=vectorized,
-                instructions_per_element=round(count / elements, 2), loop_instructions=count,
-                elements_per_thread=elements,
-            ))  # fmt: skip
+        if body is None:
+            raise RuntimeError(f"{kernel_name}: no main loop {'with' if stores else 'without'} stores in the SASS")
+        vectorized, count, elements = measure(body, element_size=2, streamed_stores=streamed_stores)
+        elements /= 2 if role.startswith("full_kl") or role.endswith("full_kl") else 1  # x and z: two loads each
+        if rare_branch:
+            count = len(common_path(sass))
+        rows.append(Row(
+            kernel=kernel_name, role=role, vocab=label, block_v=block, num_warps=warps, registers=registers,
+            spills=spills, shared_memory=int(compiled.metadata.shared), vectorized_main_loop=vectorized,
+            instructions_per_element=round(count / elements, 2), loop_instructions=count, elements_per_thread=elements,
+            bytes_per_element=nbytes, budget=round(nbytes * ISSUE_PER_BYTE, 1),
+        ))  # fmt: skip
     return rows
 
 
@@ -218,10 +318,12 @@ def report(widths=WIDTHS, roles: tuple[str, ...] | None = None, all_options: boo
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("kernel", "role", "vocab", "BLOCK_V/warps", "regs", "spills", "smem", "16B main loop", "instr/elem")
+    head = ("kernel", "role", "vocab", "BLOCK_V/warps", "regs", "spills", "smem", "16B main loop", "instr/elem",
+            "budget")  # fmt: skip
     body = [
         (r.kernel, r.role, r.vocab, f"{r.block_v}/{r.num_warps}", str(r.registers), str(r.spills),
-         str(r.shared_memory), "yes" if r.vectorized_main_loop else "NO", f"{r.instructions_per_element:.2f}")
+         str(r.shared_memory), "yes" if r.vectorized_main_loop else "NO", f"{r.instructions_per_element:.2f}",
+         f"{r.budget:.1f} ({r.bytes_per_element:g} B)" + ("" if r.within_budget else " OVER"))
         for r in rows
     ]  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -233,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmloss.kernels.report", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON list of rows instead of a table")
     parser.add_argument("--vocab", nargs="+", help="only these widths (labels of WIDTHS, or plain integers)")
-    parser.add_argument("--role", nargs="+", choices=sorted({r for _, r, _ in ROLES}), help="only these roles")
+    parser.add_argument("--role", nargs="+", choices=sorted({r for _, r, _, _ in ROLES}), help="only these roles")
     parser.add_argument("--all-options", action="store_true",
                         help="temperature, softcap, entropy, label smoothing and z-loss on (default: all off)")
     args = parser.parse_args(argv)
@@ -248,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         widths = tuple(known.get(v) or (v, int(v), int(v)) for v in args.vocab)
     rows = report(widths, tuple(args.role) if args.role else None, args.all_options)
     if args.json:
-        json.dump([dataclasses.asdict(r) for r in rows], sys.stdout, indent=1)
+        json.dump([dict(dataclasses.asdict(r), within_budget=r.within_budget) for r in rows], sys.stdout, indent=1)
         print()
     else:
         print(format_table(rows))

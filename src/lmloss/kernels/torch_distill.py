@@ -67,26 +67,50 @@ class TorchDistillKernels(TorchKernels):
             self._grad(state, coef, math_, beta, out)
         return result
 
+    def can_fold_difference(self, x, z, z_is_scratch: bool) -> bool:
+        """Whether `softmax_grad_with_difference_` takes these chunks: it writes ``x - z`` over `z`, so `z` must be
+        the caller's scratch, in x's compute dtype, as x is."""
+        return z_is_scratch and x.dtype == z.dtype == compute_dtype(x.dtype)
+
     def softmax_grad_with_difference_(self, x, labels, z, lse, math_: ChunkMath, finish, out, *,
                                       uniform_term: bool = True):  # fmt: skip
-        """One distribution's gradient (`softmax_grad_`'s) plus a term against a second chunk `z` of the same
-        columns: ``q = p * (x - z)`` with ``p = softmax(y)`` (``y = scale * x``, no softcap; `lse` the row's
-        global log-sum-exp), its row sums over the valid columns, then ``coef, z_coef, entropy =
-        finish(sums)`` (the TP SUM and the objective's upstream; `entropy` H, or None where ``coef[:, 3]`` is
-        0), then ``out = dy/dx * (p (d (log p + H) + a) + z_coef * q) + b onehot + c``. The full KL to a reference policy in the gradient pass of the policy's
-        own softmax: ``KL(p || p_ref) = scale * sum p (x - x_ref) - (lse - lse_ref)``, whose gradient is
-        ``p (scale (x - x_ref) - (lse - lse_ref) - KL)``: the elementwise difference of the logits (small
-        where the policies are close, so the sum keeps its precision) instead of two log-softmaxes.
+        """The contract's folded gradient (`lmloss.kernels`): ``sums = sum p (x - z)`` over the valid columns,
+        ``coef, z_coef, entropy = finish(sums)``, then ``out = dy/dx * (p (d (log p + H) + a) + z_coef p (x - z)) +
+        b onehot + c``. `z` is overwritten (``can_fold_difference``).
 
-        `z`: fp32 / fp64 in x's compute dtype, the caller's scratch (overwritten with ``q``); `out`: as in
-        `softmax_grad_` (may be `x`). Returns the row sums ``[c]`` (this shard's)."""
+        Where the last `softmax_partials` was of this chunk and left its exps in the scratch (`leftover_of`:
+        ``e = exp(y - m)`` and, with the entropy, ``e (y - m)``), ``p = r e`` with ``r = exp(m - lse)``, and the
+        gradient is three passes over them and ``q = e (x - z)``: ``r d s [e (y - m)] + r s (a + d (H - (lse -
+        m))) e + r s z_coef q`` (``s`` the scale), after the two that make q and its sum; no ``log p`` or ``p``
+        buffer. Otherwise ``p`` is recomputed from x and `lse`."""
         if math_.softcap:
             raise ValueError("softmax_grad_with_difference_ takes no softcap (dy/dx would not be the scale)")
         n_valid, rows = math_.valid, x.shape[0]
         acc = compute_dtype(x.dtype)
         in_out = out.dtype == acc
+        left = self.leftover_of(x)
+        self._left = None
         xv, q = x[:, :n_valid], z[:, :n_valid]
         torch.sub(xv, q, out=q)  # before `out` (maybe x) changes
+        if left is not None and in_out:
+            r = torch.exp(left.m - lse)
+            with serial_row_reductions(rows, x.device):
+                sums = q.mul_(left.exps).sum(dim=-1).mul_(r)  # q = e (x - z) from here on
+            coef, z_coef, entropy = finish(sums)
+            s = math_.scale
+            a, d = coef[:, 0], coef[:, 3]
+            work = out[:, :n_valid]
+            if entropy is not None and left.e_shifted is not None:
+                torch.mul(left.e_shifted, (r * d * s)[:, None], out=work)
+                work.addcmul_(left.exps, (r * s * (a + d * (entropy - (lse - left.m))))[:, None])
+            else:
+                torch.mul(left.exps, (r * s * a)[:, None], out=work)
+            work.addcmul_(q, (r * s * z_coef)[:, None].to(work.dtype))
+            # the terms without p, scaled here; a row whose z term alone is nonzero is active
+            both = torch.cat([coef, z_coef[:, None]], dim=1) * s
+            self._finish_grad_(work, None, labels, both, dataclasses.replace(math_, scale=1.0), uniform_term)
+            out[:, n_valid:].zero_()
+            return sums
         work = out[:, :n_valid] if in_out else self.scratch.get("y", rows, n_valid, acc)
         transform_into(work, xv, math_, aliased=in_out and out is x, shift=lse)  # log p
         p = torch.exp(work, out=self.scratch.get("p", rows, n_valid, acc))

@@ -88,6 +88,19 @@ def transform_into(
     return out if shift is None else out.sub_(shift[:, None])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Leftover:
+    """What `TorchKernels._partials` left in the pass's scratch for chunk `x` (unmodified): per row the shift `m`
+    (the local max of y), ``exps = exp(y - m)`` and, with the entropy, ``e_shifted = exps * (y - m)`` (0 where
+    exps is 0); valid while the scratch has handed out no other view since (`ChunkScratch.handed_out`)."""
+
+    x: torch.Tensor
+    m: torch.Tensor
+    exps: torch.Tensor
+    e_shifted: torch.Tensor | None
+    handed_out: int
+
+
 def _needs_row_mask(inactive: torch.Tensor) -> bool:
     # eager: only chunks that have an inactive row pay for the masking pass; compiled: always (fused)
     return torch.compiler.is_compiling() or bool(inactive.any())
@@ -100,6 +113,14 @@ class TorchKernels:
 
     def __init__(self, max_rows: int, cols: int, device: torch.device) -> None:
         self.scratch = ChunkScratch(max_rows, cols, device)
+        self._left: _Leftover | None = None
+
+    def leftover_of(self, x: torch.Tensor) -> _Leftover | None:
+        """What the last `softmax_partials` of chunk `x` left in the scratch, if it is still there."""
+        left = self._left
+        if left is None or left.x is not x or left.handed_out != self.scratch.handed_out:
+            return None
+        return left
 
     def softmax_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
@@ -323,7 +344,11 @@ class TorchKernels:
                 e_shifted.masked_fill_(exps == 0, 0.0)
                 out[:, 2] = e_shifted.sum(dim=-1)
         else:
-            out[:, 1] = shifted.exp_().sum(dim=-1)
+            exps, e_shifted = shifted.exp_(), None
+            out[:, 1] = exps.sum(dim=-1)
+        # x itself is intact unless it was worked on in place: `softmax_grad_with_difference_` of the same chunk
+        # reuses what is left in the scratch (``exp(y - m)``, and ``exp(y - m)(y - m)`` with the entropy)
+        self._left = None if y is xv and keep_exps else _Leftover(x, m, exps, e_shifted, self.scratch.handed_out)
         return out
 
     def softmax_grad_(

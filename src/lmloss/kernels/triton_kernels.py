@@ -43,6 +43,7 @@ __all__ = [
     "softmax_partials",
     "block_partials",
     "softmax_grad_",
+    "difference_sums",
     "cross_entropy_loss_and_grad_",
     "block_config",
     "cross_entropy_config",
@@ -53,6 +54,15 @@ __all__ = [
     "scaled_cast_by_device_scalar",
     "transform",
     "math_args",
+    "alignment",
+    # shared with the other Triton modules (triton_distill, triton_sampling)
+    "fast_exp2",
+    "row_split",
+    "edge_cols",
+    "block_for",
+    "device_guard",
+    "check_rows",
+    "row_vector",
 ]
 
 # (largest V, BLOCK_V, num_warps), first row whose V fits wins; BLOCK_V is also capped at next_pow2(V).
@@ -102,7 +112,7 @@ _FLT_MAX = 3.4028234663852886e38
 # relative error (about 2^-22) is far below fp32's rounding of the sums it feeds. The interpreter, which
 # tests these kernels on the CPU, cannot run PTX: there it is tl.exp2.
 @triton.jit
-def _exp2(x, FAST: tl.constexpr):
+def fast_exp2(x, FAST: tl.constexpr):
     if FAST:
         return tl.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
@@ -120,7 +130,7 @@ def _tanh(z, FAST: tl.constexpr):
     # Taylor series, whose first omitted term is < 2e-9 relative at |z| = 1/8. The softcap path costs
     # about 10 more instructions per element than tanh.approx did (the static report, --all-options).
     az = tl.abs(z)
-    e = _exp2(az * -2.8853900817779268, FAST)  # exp(-2|z|) = 2^(-2 log2(e) |z|)
+    e = fast_exp2(az * -2.8853900817779268, FAST)  # exp(-2|z|) = 2^(-2 log2(e) |z|)
     z2 = z * z
     series = az * (1.0 + z2 * (-0.333333333333 + z2 * (0.133333333333 + z2 * -0.053968253968)))
     th = tl.where(az < 0.125, series, (1.0 - e) / (1.0 + e))
@@ -148,7 +158,7 @@ def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
     # when y <= m and the rescale of the lane's sums when y > m (the element then adds exp(0) = 1).
     # m starts at -FLT_MAX, not -inf, so that y = -inf gives d = -inf and exp = 0, never inf - inf.
     d = y - m
-    e = _exp2(tl.abs(d) * -1.4426950408889634, FAST)
+    e = fast_exp2(tl.abs(d) * -1.4426950408889634, FAST)
     up = d > 0.0
     if ENTROPY:  # up: t <- e (t - d s) (the shift to the new max; the element adds 0); else t += e d
         t = tl.where(up, e * (t - d * s), t + e * tl.maximum(d, -3.4028234663852886e38))
@@ -161,7 +171,7 @@ def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
 def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
     # The row's (max, sum exp, entropy numerator) from the lanes' once per row; -inf max when nothing is finite.
     big_m = tl.max(m, 0)
-    w = _exp2((m - big_m) * 1.4426950408889634, FAST)
+    w = fast_exp2((m - big_m) * 1.4426950408889634, FAST)
     s_row = tl.sum(s * w, 0)
     t_row = 0.0
     if ENTROPY:
@@ -170,7 +180,7 @@ def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+def row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
     # A row's columns as: `head` leading columns before the first 16-byte aligned address, `n_main` columns
     # from there in whole blocks (the unmasked, vectorised main loop), and the edge: the head plus whatever
     # follows the main blocks (masked). Edge lane j is column j if j < head, else n_main + j.
@@ -180,7 +190,7 @@ def _row_split(row_start, valid, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _edge_cols(j, head, n_main):
+def edge_cols(j, head, n_main):
     return tl.where(j < head, j, n_main + j)
 
 
@@ -212,7 +222,7 @@ def _softmax_partials_kernel(
         if KEEP:
             y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
         target = tl.where(owned, y_t, 0.0)
-    head, n_main = _row_split(row_start, valid, ALIGN, BLOCK_V)
+    head, n_main = row_split(row_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(row_start + head, ALIGN)
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
@@ -234,7 +244,7 @@ def _softmax_partials_kernel(
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         mask = j < n_edge
-        x = tl.load(x_row + _edge_cols(j, head, n_main), mask=mask, other=0.0)
+        x = tl.load(x_row + edge_cols(j, head, n_main), mask=mask, other=0.0)
         y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             mask = mask & (x.to(tl.float32) >= keep)
@@ -251,69 +261,128 @@ def _softmax_partials_kernel(
     tl.store(out_row + 4, tl.sum(sum_y, 0))
 
 
-# Contract (invariant mode, `lmloss.kernels`): program (row, g) takes the blocks g * GROUP ... g * GROUP + GROUP - 1
-# of BLOCK columns each (local columns [b * BLOCK, (b + 1) * BLOCK), those >= valid or, with KEEP, x < keep take no
-# part) as one [GROUP, BLOCK] tile, and writes out[row, b, 0:4] (fp32) = (m_b, s_b, t_b, sum_y_b): the block's max
-# of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0), sum y. Each block is
-# reduced along axis 1 of that tile, whose shape and layout (GROUP, BLOCK, num_warps) are constants: the order
-# of a block's sum depends on nothing else (not the row, the block's position, the width or the chunk).
-# Program (row, 0) also writes target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
+@triton.jit
+def _fixed(v):
+    # round(v) as int32 for |v| < 2**22, in two full-rate instructions: adding 1.5 * 2**23 rounds v to an
+    # integer (ties to even), whose bits then sit at the bottom of the sum's mantissa
+    return (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE: tl.constexpr,
+                SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr,
+                FAST: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    # One [GROUP, BLOCK] tile of a row: block b0 + i is its row i. Every sum is an int32 sum of rounded fixed-point
+    # terms (exact: no order, so no layout, alignment or code path changes a bit), stored as fp32. Returns the tile's
+    # exps summed per lane (NaN where a NaN or +inf y made one NaN), for the row's check.
+    if SOFTCAP:
+        y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+        k2 = 1.4426950408889634
+    else:  # y = x * scale is monotone: the block's max of y is its max of x times scale, and the exp's FFMA
+        y = x.to(tl.float32)  # takes the scale (no multiply per element)
+        k2 = 1.4426950408889634 * (scale if SCALE else 1.0)
+    if KEEP:
+        mask = mask & (x.to(tl.float32) >= keep)
+    if MASKED or KEEP:
+        y = tl.where(mask, y, -float("inf"))
+    m = tl.max(y, 1)
+    shift2 = tl.where(m == -float("inf"), 0.0, m * k2)  # an empty block: every exp is 0
+    e = fast_exp2(y * k2 - shift2[:, None], FAST)  # exp(y - m) in [0, 1], 1 at the block's max
+    s = tl.sum(_fixed(e * 4194304.0), 1).to(tl.float32) * 2.384185791015625e-07  # 2**22 fraction bits
+    if not SOFTCAP and SCALE:
+        m = m * scale
+    blk = b0 + tl.arange(0, GROUP)
+    out = out_ptr + (row * n_blocks + blk) * 4
+    in_row = blk < n_blocks
+    tl.store(out + 0, m, mask=in_row)
+    tl.store(out + 1, s, mask=in_row)
+    if ENTROPY:  # e (y - m) in [-1/e, 0]; 0 where e is 0 (no 0 * -inf)
+        d = tl.maximum(y * k2 - shift2[:, None], -3.4028234663852886e38) * 0.6931471805599453  # y - m
+        t = tl.sum(_fixed(e * d * 4194304.0), 1).to(tl.float32)
+        tl.store(out + 2, t * 2.384185791015625e-07, mask=in_row)
+    if SUM_LOGITS:  # in fixed point below the block's largest |y|'s binary exponent (22 bits under it)
+        if not SOFTCAP and SCALE:
+            y = y * scale
+        yk = tl.where(mask, y, 0.0)
+        big = tl.max(tl.abs(yk), 1)
+        expo = (big.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        k = tl.minimum(148 - expo, 127)  # |y| * 2**k < 2**22 (a zero or subnormal block: 2**127)
+        up = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        total = tl.sum(_fixed(yk * up[:, None]), 1).to(tl.float32) * down
+        # a NaN or infinite y: the float sum of the infinities alone (inf, -inf or NaN in any order) or NaN
+        odd = tl.sum(tl.where((tl.abs(yk) == float("inf")) | (yk != yk), yk, 0.0), 1)
+        total = tl.where(odd == 0.0, total, odd)
+        tl.store(out + 3, total, mask=in_row)
+    return e
+
+
+# Contract (invariant mode, `lmloss.kernels`): one program per row walks its blocks of BLOCK columns (local columns
+# [b * BLOCK, (b + 1) * BLOCK); those >= valid or, with KEEP, x < keep take no part) GROUP at a time, in an unmasked
+# main loop over whole groups and one masked group after it, and writes out[row, b, 0:4] (fp32) = (m_b, s_b, t_b,
+# sum_y_b): the block's max of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0),
+# sum y. The sums are of fixed-point terms (2**-22 units of exp(y - m_b); sum y in 2**-22 units of the block's
+# largest |y|'s binary octave) in int32, exact: a block's sums depend on its own columns alone, whatever the row,
+# the chunk, the shard, the alignment or the compiled layout. A row with a NaN y, or a +inf y, gets NaN s_b and t_b
+# in its first block (the combine makes the row NaN); sum_y_b is NaN / +-inf as a float sum of its non-finite y
+# would be. Also target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
+# ALIGN: elements per 16 bytes when every row starts 16-byte aligned (base and row stride), else 1.
 @triton.jit
 def _block_partials_kernel(
     x_ptr, x_row_stride, labels_ptr, out_ptr, target_ptr, valid, n_blocks, vocab_start, scale, inv_cap,
     cap_scale, keep_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    x_row = x_ptr + row * x_row_stride
+    x_row = x_ptr + tl.multiple_of(row * x_row_stride, ALIGN)
     keep = -float("inf")
     if KEEP:
         keep = tl.load(keep_ptr + row)
-    if TARGET:  # read by every program, stored by the row's first
+    if TARGET:
         local = tl.load(labels_ptr + row) - vocab_start
         owned = (local >= 0) & (local < valid)
-        x_t = tl.load(x_row + local, mask=owned & (g == 0), other=0.0)
+        x_t = tl.load(x_row + local, mask=owned, other=0.0)
         y_t, _ = transform(x_t, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             y_t = tl.where(x_t.to(tl.float32) >= keep, y_t, -float("inf"))
-        tl.store(target_ptr + row, tl.where(owned, y_t, 0.0), mask=g == 0)
-    blk = g * GROUP + tl.arange(0, GROUP)
-    cols = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = cols < valid
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
-    y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-    if KEEP:
-        mask = mask & (x.to(tl.float32) >= keep)
-    y = tl.where(mask, y, -float("inf"))
-    m = tl.max(y, axis=1)
-    d = y - tl.where(m == -float("inf"), 0.0, m)[:, None]  # an empty block: exps of -inf, 0
-    e = _exp2(d * 1.4426950408889634, FAST)
-    s = tl.sum(e, axis=1)
-    out = out_ptr + (row * n_blocks + blk) * 4
-    in_row = blk < n_blocks
-    tl.store(out + 0, m, mask=in_row)
-    tl.store(out + 1, s, mask=in_row)
-    if ENTROPY:
-        tl.store(out + 2, tl.sum(e * tl.maximum(d, -3.4028234663852886e38), axis=1), mask=in_row)  # 0 where e = 0
-    if SUM_LOGITS:
-        tl.store(out + 3, tl.sum(tl.where(mask, y, 0.0), axis=1), mask=in_row)
+        tl.store(target_ptr + row, tl.where(owned, y_t, 0.0))
+    cols = tl.arange(0, GROUP)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    n_main = valid // (GROUP * BLOCK) * GROUP  # blocks in whole groups of whole blocks
+    check = tl.zeros([GROUP, BLOCK], tl.float32)  # the exps, per lane: NaN if any is NaN
+    for b0 in range(0, n_main, GROUP):
+        x = tl.load(x_row + b0 * BLOCK + cols)
+        check += _block_sums(x, cols >= 0, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE,
+                             SOFTCAP, ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False)  # fmt: skip
+    for b0 in range(n_main, n_blocks, GROUP):
+        mask = b0 * BLOCK + cols < valid
+        x = tl.load(x_row + b0 * BLOCK + cols, mask=mask, other=0.0)
+        check += _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP,
+                             ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, True)  # fmt: skip
+    if n_blocks > 0:  # a NaN or +inf y anywhere (an exp of NaN): the row's first block's sums are NaN
+        nan = tl.sum(tl.sum(check, 1), 0)
+        tl.store(out_ptr + row * n_blocks * 4 + 1, float("nan"), mask=nan != nan)
+        if ENTROPY:
+            tl.store(out_ptr + row * n_blocks * 4 + 2, float("nan"), mask=nan != nan)
 
 
 @triton.jit
-def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
-                FAST: tl.constexpr):  # fmt: skip
+def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, dz, pz, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+                FAST: tl.constexpr, DIFF: tl.constexpr):  # fmt: skip
     # One block of the gradient from y (x after transform, in fp32) with the row's coefficients already
-    # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)), times (1 - th^2).
-    # j_label: whether each lane holds the label's column. lse2 = lse * log2(e).
+    # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)) (+ pz p dz, the folded
+    # difference term: dz = x - z), times (1 - th^2). j_label: whether each lane holds the label's column.
+    # lse2 = lse * log2(e).
+    if DIFF:
+        pa = pa + pz * dz
     if ENTROPY:
         logp2 = x * 1.4426950408889634 - lse2
-        p = _exp2(logp2, FAST)
+        p = fast_exp2(logp2, FAST)
         logp = tl.where(p > 0.0, logp2 * 0.6931471805599453, 0.0)  # no -inf * 0 where p == 0
         g = (pa + d_coef * (logp + h)) * p + tl.where(j_label, pb + pc, pc)
     else:
-        p = _exp2(x * 1.4426950408889634 - lse2, FAST)
+        p = fast_exp2(x * 1.4426950408889634 - lse2, FAST)
         g = pa * p + tl.where(j_label, pb + pc, pc)
     if SOFTCAP:
         g = g * (1.0 - th * th)
@@ -325,30 +394,38 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, SOFTCAP: tl.constex
 # valid <= j < n_cols, which get exactly 0). coef[row] = (a, b, c, d); with logp = y - lse[row], P = exp(logp),
 # H = entropy[row]: g = a*P + d*P*(logp + H) [P > 0] + b [j owns the label] + c, times dy/dx; a row whose four
 # coefficients are all 0 gets exactly 0 (a select after the math: the x loads never wait on the coefficients).
-# ALIGN as in _softmax_partials_kernel, for x and out together (the wrapper checks they share their alignment).
+# DIFF (the folded full KL, `lmloss.kernels`; no softcap): g also has zc[row] * P * (x - z) for a second chunk z of
+# the same columns, and a row is live where zc is nonzero too.
+# ALIGN as in _softmax_partials_kernel, for x, out (and z) together (the wrapper checks they share their alignment).
 @triton.jit
 def _softmax_grad_kernel(
     x_ptr, x_row_stride, out_ptr, out_row_stride, labels_ptr, lse_ptr, entropy_ptr, coef_ptr,
-    n_cols, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr,
+    n_cols, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr, z_ptr, z_row_stride, zc_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
-    ALIGN: tl.constexpr, FAST: tl.constexpr, KEEP: tl.constexpr,
+    ALIGN: tl.constexpr, FAST: tl.constexpr, KEEP: tl.constexpr, DIFF: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     x_start = row * x_row_stride
     o_start = row * out_row_stride
-    head, n_main = _row_split(x_start, valid, ALIGN, BLOCK_V)
+    z_start = row * z_row_stride
+    head, n_main = row_split(x_start, valid, ALIGN, BLOCK_V)
     x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
     o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
+    z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
     a = tl.load(coef_ptr + row * 4 + 0)
     b = tl.load(coef_ptr + row * 4 + 1)
     c = tl.load(coef_ptr + row * 4 + 2)
     d = tl.load(coef_ptr + row * 4 + 3)
-    live = (a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0)
-    # A row without p terms (a = d = 0) takes lse = inf, so p = 0 and its lse (maybe NaN) reaches nothing;
+    zc = 0.0
+    if DIFF:
+        zc = tl.load(zc_ptr + row)
+    live = (a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0) | (zc != 0.0)
+    # A row without p terms (a = d = zc = 0) takes lse = inf, so p = 0 and its lse (maybe NaN) reaches nothing;
     # likewise H only where d != 0: zero coefficients add exactly 0 without a select per element.
-    lse2 = tl.where((a == 0.0) & (d == 0.0), float("inf"), tl.load(lse_ptr + row) * 1.4426950408889634)
+    no_p = (a == 0.0) & (d == 0.0) & (zc == 0.0)
+    lse2 = tl.where(no_p, float("inf"), tl.load(lse_ptr + row) * 1.4426950408889634)
     h = 0.0
     if ENTROPY:
         h = tl.where(d != 0.0, tl.load(entropy_ptr + row), 0.0)
@@ -358,6 +435,7 @@ def _softmax_grad_kernel(
     pb = b * k
     pc = c * k
     pd = d * k
+    pz = zc * k
     label = -1
     if LABELS:  # compared in 32 bits; a label outside [0, valid) matches no column
         local = tl.load(labels_ptr + row) - vocab_start
@@ -369,7 +447,11 @@ def _softmax_grad_kernel(
     for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
         x = tl.load(x_main + kb + offs)
         y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+        dz = 0.0
+        if DIFF:  # no softcap: th is x in fp32
+            dz = th - tl.load(z_main + kb + offs).to(tl.float32)
+        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY, FAST,
+                        DIFF)  # fmt: skip
         if KEEP:
             g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
         tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
@@ -377,15 +459,52 @@ def _softmax_grad_kernel(
         n_edge = n_cols - n_main
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
-            cols = _edge_cols(j, head, n_main)
+            cols = edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < valid)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0)
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, SOFTCAP, ENTROPY, FAST)
+            dz = 0.0
+            if DIFF:
+                dz = th - tl.load(z_ptr + z_start + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            g = _grad_block(y, cols == label, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY, FAST, DIFF)
             if KEEP:
                 in_vocab = in_vocab & (x.to(tl.float32) >= keep)
             g = tl.where(in_vocab, tl.where(live, g, 0.0), 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge)
+
+
+# Contract (the folded full KL's sums, `lmloss.kernels`): one program per row writes out[row] (fp32) = sum over the
+# valid columns of P_j (x_j - z_j), P = exp(y - lse[row]), y = scale * x (no softcap); x and z of any float dtype.
+# The row is walked like _softmax_partials_kernel's (unmasked aligned main loop for x and z together, one masked
+# edge), each lane keeping its own sum, reduced once.
+@triton.jit
+def _difference_sums_kernel(
+    x_ptr, x_row_stride, z_ptr, z_row_stride, lse_ptr, out_ptr, valid, scale,
+    SCALE: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_start = row * x_row_stride
+    z_start = row * z_row_stride
+    lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+    k2 = 1.4426950408889634 * (scale if SCALE else 1.0)
+    head, n_main = row_split(x_start, valid, ALIGN, BLOCK_V)
+    x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
+    z_main = z_ptr + tl.multiple_of(z_start + head, ALIGN)
+    offs = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for kb in range(0, n_main, BLOCK_V):
+        x = tl.load(x_main + kb + offs).to(tl.float32)
+        z = tl.load(z_main + kb + offs).to(tl.float32)
+        acc += fast_exp2(x * k2 - lse2, FAST) * (x - z)
+    n_edge = valid - n_main
+    for e0 in range(0, n_edge, BLOCK_V):
+        j = e0 + offs
+        mask = j < n_edge
+        cols = edge_cols(j, head, n_main)
+        x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + z_start + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.where(mask, fast_exp2(x * k2 - lse2, FAST) * (x - z), 0.0)
+    tl.store(out_ptr + row, tl.sum(acc, 0))
 
 
 # Contract: a persistent grid; program p takes rows p, p + programs, ... of x [c, n_cols] (columns [0, valid) are
@@ -418,7 +537,7 @@ def _cross_entropy_loss_grad_kernel(
         y_t, th_t = transform(tl.load(x_ptr + x_start + label, mask=owned, other=0.0), scale, inv_cap, cap_scale,
                             SCALE, SOFTCAP, FAST)  # fmt: skip
         y_t = tl.where(owned, y_t, 0.0)
-        head, n_main = _row_split(x_start, n_read, ALIGN, BLOCK_V)
+        head, n_main = row_split(x_start, n_read, ALIGN, BLOCK_V)
         x_main = x_ptr + tl.multiple_of(x_start + head, ALIGN)
         o_main = out_ptr + tl.multiple_of(o_start + head, ALIGN)
 
@@ -429,7 +548,7 @@ def _cross_entropy_loss_grad_kernel(
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
             mask = j < n_edge
-            x = tl.load(x_ptr + x_start + _edge_cols(j, head, n_main), mask=mask, other=0.0,
+            x = tl.load(x_ptr + x_start + edge_cols(j, head, n_main), mask=mask, other=0.0,
                         eviction_policy="evict_last")  # fmt: skip
             y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             y = tl.where(mask, y, -float("inf"))
@@ -468,22 +587,24 @@ def _cross_entropy_loss_grad_kernel(
             kb = n_main - BLOCK_V - i
             x = tl.load(x_main + kb + offs, eviction_policy="evict_first")
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            g = _grad_block(y, offs == label32 - head - kb, th, lse2, pa, pb, pc, 0.0, 0.0, 0.0, 0.0, SOFTCAP, False, FAST,
+                            False)  # fmt: skip
             tl.store(o_main + kb + offs, g.to(out_ptr.dtype.element_ty), eviction_policy="evict_first")
         n_edge = n_cols - n_main  # the head, the tail and the padded columns (zeros); all of an ignored row
         for e0 in range(0, n_edge, BLOCK_V):
             j = e0 + offs
-            cols = _edge_cols(j, head, n_main)
+            cols = edge_cols(j, head, n_main)
             in_vocab = (j < n_edge) & (cols < n_read)
             x = tl.load(x_ptr + x_start + cols, mask=in_vocab, other=0.0, eviction_policy="evict_first")
             y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, SOFTCAP, False, FAST)
+            g = _grad_block(y, cols == label32, th, lse2, pa, pb, pc, 0.0, 0.0, 0.0, 0.0, SOFTCAP, False, FAST, False)
             g = tl.where(in_vocab, g, 0.0)
             tl.store(out_ptr + o_start + cols, g.to(out_ptr.dtype.element_ty), mask=j < n_edge,
                      eviction_policy="evict_first")  # fmt: skip
 
 
-def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
+def block_for(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int | None) -> tuple[int, int]:
+    """`block_config`'s ``(BLOCK_V, num_warps)``, BLOCK_V replaced by `block_v` (a power of 2) when given."""
     block, warps = block_config(n_cols, table)
     if block_v is not None:
         if block_v < 1 or block_v & (block_v - 1):
@@ -492,12 +613,14 @@ def _block(n_cols: int, table: tuple[tuple[float, int, int], ...], block_v: int 
     return block, warps
 
 
-def _device_guard(t: torch.Tensor):
+def device_guard(t: torch.Tensor):
+    """The context in which a launch for tensor `t` runs on its device."""
     # Triton launches on the current CUDA device; make it the tensors' one.
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raise unless `t` is 2-D with unit column stride and a dtype in `dtypes`."""
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{name} must be 2-D with unit column stride, got shape {tuple(t.shape)}, "
                          f"strides {t.stride()}")  # fmt: skip
@@ -505,7 +628,8 @@ def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> 
         raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
 
 
-def _row_vector(name: str, t: torch.Tensor, rows: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+def row_vector(name: str, t: torch.Tensor, rows: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """`t` checked as ``[rows]`` of a dtype in `dtypes`, contiguous (and 16-byte aligned if 64-bit)."""
     if t.shape != (rows,) or t.dtype not in dtypes:
         raise ValueError(f"{name} must be [{rows}] of dtype in {dtypes}, got {tuple(t.shape)} {t.dtype}")
     t = t.contiguous()
@@ -547,16 +671,16 @@ def _programs(device: torch.device) -> int:
 def _check_partials_args(x, labels, math: ChunkMath, target: bool, keep_min):
     """The checks of `softmax_partials` / `block_partials`: ``(rows, labels, keep_min)``, the vectors checked
     (labels only when `target`)."""
-    _check_rows("x", x, _FLOATS)
+    check_rows("x", x, _FLOATS)
     rows, n_cols = x.shape
     if not 0 <= math.valid <= n_cols:
         raise ValueError(f"math.valid must be in [0, {n_cols}], got {math.valid}")
     if target:
         if labels is None:
             raise ValueError("labels is required when target=True")
-        labels = _row_vector("labels", labels, rows, _INTS)
+        labels = row_vector("labels", labels, rows, _INTS)
     if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
+        keep_min = row_vector("keep_min", keep_min, rows, (torch.float32,))
     return rows, labels, keep_min
 
 
@@ -591,9 +715,9 @@ def softmax_partials(
     out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block, warps = _block(math.valid, FORWARD_BLOCKS, block_v)
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
             out if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
@@ -602,8 +726,8 @@ def softmax_partials(
     return out
 
 
-#: The invariant kernel's tile: BLOCK_GROUP blocks of INVARIANT_BLOCK columns per program, at BLOCK_WARPS warps.
-#: Constants: the order of a block's sums follows from them alone (changing one changes the invariant bits).
+#: The invariant kernel's tile: BLOCK_GROUP blocks of INVARIANT_BLOCK columns per step of a row's walk, at
+#: BLOCK_WARPS warps (8 bf16 columns, 16 bytes, per thread). Tuning only: the blocks' sums are exact integer sums.
 BLOCK_GROUP, BLOCK_WARPS = 8, 4
 
 
@@ -618,19 +742,22 @@ def block_partials(
     keep_min: torch.Tensor | None = None,
 ) -> BlockPartials:
     """The invariant mode's per-block sums of a chunk (`lmloss.kernels.BlockPartials`): blocks of
-    `INVARIANT_BLOCK` columns over this shard's valid ones, each reduced in an order fixed by the kernel's
-    constant tile (`BLOCK_GROUP` x `INVARIANT_BLOCK`, `BLOCK_WARPS` warps). Arguments as in `softmax_partials`."""
+    `INVARIANT_BLOCK` columns over this shard's valid ones, one program per row walking them, each block's sums
+    exact sums of fixed-point terms (`_block_partials_kernel`): the same bits for a block whatever the chunk, the
+    shard, the rows' alignment or the compiled layout. Arguments as in `softmax_partials`."""
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
     out = torch.zeros((rows, n_blocks, 4), dtype=torch.float32, device=x.device)
     tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows and n_blocks:
         values, flags = math_args(math, x)
-        with _device_guard(x):
-            _block_partials_kernel[(rows, triton.cdiv(n_blocks, BLOCK_GROUP))](
+        with device_guard(x):
+            align = alignment(x) if x.stride(0) % (16 // x.element_size()) == 0 else 1  # every row, not only the first
+            _block_partials_kernel[(rows,)](
                 x, x.stride(0), labels if target else x, out, tgt, math.valid, n_blocks, math.vocab_start, *values,
                 tgt if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
-                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, num_warps=BLOCK_WARPS, **flags,
+                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, ALIGN=align,
+                num_warps=BLOCK_WARPS, **flags,
             )  # fmt: skip
     return BlockPartials(
         out[:, :, 0], out[:, :, 1], out[:, :, 2] if entropy else None, out[:, :, 3] if sum_logits else None, tgt
@@ -649,6 +776,7 @@ def softmax_grad_(
     block_v: int | None = None,
     splits: int | None = None,
     keep_min: torch.Tensor | None = None,
+    difference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write ``d loss / d x`` of a chunk into ``out`` and return it.
 
@@ -670,9 +798,21 @@ def softmax_grad_(
             too few rows to fill the GPU.
         keep_min: ``[c]`` fp32 kept-set thresholds (as in ``softmax_partials``): columns with
             ``x < keep_min`` get exactly 0; None for all columns.
+        difference: ``(z, z_coef)``, the folded full KL (`lmloss.kernels`): a second chunk ``z`` of x's shape (any
+            float dtype, ``z.stride(1) == 1``) and ``z_coef [c]`` fp32; each valid column also gets
+            ``z_coef * P * (x - z)`` (before dy/dx). No softcap.
     """
-    _check_rows("x", x, _FLOATS)
-    _check_rows("out", out, _FLOATS)
+    check_rows("x", x, _FLOATS)
+    check_rows("out", out, _FLOATS)
+    z = zc = None
+    if difference is not None:
+        z, zc = difference
+        check_rows("z", z, _FLOATS)
+        if z.shape != x.shape:
+            raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+        if math.softcap:
+            raise ValueError("the folded difference term takes no softcap (dy/dx would not be the scale)")
+        zc = row_vector("z_coef", zc, x.shape[0], (torch.float32,))
     rows, n_cols = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -681,25 +821,54 @@ def softmax_grad_(
     if coef.shape != (rows, 4) or coef.dtype != torch.float32:
         raise ValueError(f"coef must be fp32 [{rows}, 4], got {tuple(coef.shape)} {coef.dtype}")
     coef = coef.contiguous()
-    lse = _row_vector("lse", lse, rows, (torch.float32,))
+    lse = row_vector("lse", lse, rows, (torch.float32,))
     if entropy is not None:
-        entropy = _row_vector("entropy", entropy, rows, (torch.float32,))
+        entropy = row_vector("entropy", entropy, rows, (torch.float32,))
     if labels is not None:
-        labels = _row_vector("labels", labels, rows, _INTS)
+        labels = row_vector("labels", labels, rows, _INTS)
     if keep_min is not None:
-        keep_min = _row_vector("keep_min", keep_min, rows, (torch.float32,))
-    block, warps = _block(n_cols, BACKWARD_BLOCKS, block_v)
+        keep_min = row_vector("keep_min", keep_min, rows, (torch.float32,))
+    block, warps = block_for(n_cols, BACKWARD_BLOCKS, block_v)
     if rows == 0 or n_cols == 0:
         return out
     if splits is None:  # split the vocabulary only when the rows alone leave programs idle
         splits = min(triton.cdiv(n_cols, block), triton.cdiv(_programs(x.device), rows))
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _softmax_grad_kernel[(rows, max(1, splits))](
             x, x.stride(0), out, out.stride(0), x if labels is None else labels, lse,
             lse if entropy is None else entropy, coef, n_cols, math.valid, math.vocab_start, *values,
-            lse if keep_min is None else keep_min, ENTROPY=entropy is not None, LABELS=labels is not None,
-            BLOCK_V=block, ALIGN=alignment(x, out), KEEP=keep_min is not None, num_warps=warps, **flags,
+            lse if keep_min is None else keep_min, x if z is None else z, 0 if z is None else z.stride(0),
+            lse if zc is None else zc, ENTROPY=entropy is not None, LABELS=labels is not None, BLOCK_V=block,
+            ALIGN=alignment(x, out) if z is None else alignment(x, out, z), KEEP=keep_min is not None,
+            DIFF=z is not None, num_warps=warps, **flags,
+        )  # fmt: skip
+    return out
+
+
+def difference_sums(
+    x: torch.Tensor, z: torch.Tensor, lse: torch.Tensor, math: ChunkMath, *, block_v: int | None = None
+) -> torch.Tensor:
+    """Per-row ``sum_j P_j (x_j - z_j)`` over the valid columns, ``P = exp(scale * x - lse)`` (the folded full
+    KL's sums, `lmloss.kernels`): fp32 ``[c]``. `x`, `z`: ``[c, V_local]`` of any float dtypes, unit column
+    stride; `lse` ``[c]`` fp32; no softcap."""
+    check_rows("x", x, _FLOATS)
+    check_rows("z", z, _FLOATS)
+    if z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+    if math.softcap:
+        raise ValueError("difference_sums takes no softcap")
+    rows = x.shape[0]
+    lse = row_vector("lse", lse, rows, (torch.float32,))
+    out = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out
+    block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
+    values, flags = math_args(math, x)
+    with device_guard(x):
+        _difference_sums_kernel[(rows,)](
+            x, x.stride(0), z, z.stride(0), lse, out, math.valid, values[0], SCALE=flags["SCALE"], BLOCK_V=block,
+            ALIGN=alignment(x, z), FAST=flags["FAST"], num_warps=warps,
         )  # fmt: skip
     return out
 
@@ -746,8 +915,8 @@ def cross_entropy_loss_and_grad_(
     Returns:
         fp32 ``[c, 2]``: (lse, loss) per row, both 0 for ignored rows.
     """
-    _check_rows("x", x, _FLOATS)
-    _check_rows("out", out, _FLOATS)
+    check_rows("x", x, _FLOATS)
+    check_rows("out", out, _FLOATS)
     rows, n_cols = x.shape
     if out.shape != x.shape:
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
@@ -762,7 +931,7 @@ def cross_entropy_loss_and_grad_(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not z_loss >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    labels = _row_vector("labels", labels, rows, _INTS)
+    labels = row_vector("labels", labels, rows, _INTS)
     if grad_scale is None:
         grad_scale = torch.ones((), dtype=torch.float32, device=x.device)
     elif grad_scale.numel() != 1 or grad_scale.device != x.device:
@@ -773,12 +942,12 @@ def cross_entropy_loss_and_grad_(
         return res
     block, warps, per_sm = cross_entropy_config(n_cols, bool(math.softcap))
     if block_v is not None:
-        block = _block(n_cols, CROSS_ENTROPY_BLOCKS, block_v)[0]
+        block = block_for(n_cols, CROSS_ENTROPY_BLOCKS, block_v)[0]
     warps = num_warps or warps
     if programs is None:
         programs = _programs(x.device) // 4 * per_sm
     values, flags = math_args(math, x)
-    with _device_guard(x):
+    with device_guard(x):
         _cross_entropy_loss_grad_kernel[(max(1, min(rows, programs)),)](
             x, x.stride(0), out, out.stride(0), labels, res, grad_scale, rows, n_cols, vocab_size,
             int(ignore_index), *values, float(label_smoothing), float(z_loss), 1.0 / vocab_size,
@@ -813,7 +982,7 @@ def scale_by_device_scalar_(t: torch.Tensor, factor: torch.Tensor) -> torch.Tens
     n = t.numel()
     if n:
         block = 4096
-        with _device_guard(t):
+        with device_guard(t):
             grid = min(triton.cdiv(n, block), _programs(t.device))
             _scale_kernel[(grid,)](t, n, factor.reshape(()), BLOCK=block, num_warps=4)
     return t
@@ -845,7 +1014,7 @@ def scaled_cast_by_device_scalar(src: torch.Tensor, factor: torch.Tensor, dtype:
     n = src.numel()
     if n:
         block = 4096
-        with _device_guard(src):
+        with device_guard(src):
             grid = min(triton.cdiv(n, block), _programs(src.device))
             _scaled_cast_kernel[(grid,)](src, dst, n, factor.reshape(()), BLOCK=block, num_warps=8)
     return dst
@@ -886,6 +1055,20 @@ class TritonKernels:
 
     def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
         return softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
+
+    def can_fold_difference(self, x, z, z_is_scratch: bool) -> bool:
+        """The folded gradient reads both chunks as they are (any float dtypes) and writes neither."""
+        return True
+
+    def softmax_grad_with_difference_(self, x, labels, z, lse, math, finish, out, *, uniform_term=True):
+        """The contract's folded gradient (`lmloss.kernels`): the sums ``sum P (x - z)`` (one kernel reading x
+        and z), ``coef, z_coef, entropy = finish(sums)``, then `softmax_grad_` with the difference term (the
+        gradient kernel reads z beside x). Returns the sums; `z` is not written."""
+        sums = difference_sums(x, z, lse.to(torch.float32), math)
+        coef, z_coef, entropy = finish(sums)
+        softmax_grad_(x, labels, lse.to(torch.float32), None if entropy is None else entropy.to(torch.float32),
+                      coef.to(torch.float32), math, out, difference=(z, z_coef.to(torch.float32)))  # fmt: skip
+        return sums
 
     def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True, keep_min=None):
         """Partials, then ``finish(partials) -> (result, coef, lse[, entropy])`` (TP combine, output math),

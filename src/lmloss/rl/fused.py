@@ -70,6 +70,12 @@ def check_reference_head(ref_hidden, ref_weight, hidden, weight) -> None:
         raise ValueError("ref_hidden / ref_weight must be on the policy's devices")
 
 
+def _full_kl_chunk_bytes(softcap, weight, ref_weight) -> dict:
+    """The per-logit working set of ``kl_loss_type="full"`` for ``chunk_size="auto"`` (`lmloss.fused.prepare`)."""
+    folded_torch = not softcap and ref_weight is not None and weight.dtype == ref_weight.dtype in (torch.float32, torch.float64)
+    return dict(bytes_per_logit=16 if folded_torch else 20, chunk_buffers=3 if softcap else 2)
+
+
 class PolicyUpstream:
     """The upstream of an RL objective for the chunk loop (`lmloss.objectives.Upstream`): per chunk,
     ``d(sum_t w_t L_t)/d lp`` and ``d/dH`` by autograd of `Objective.per_token` on the chunk's ``[c]``
@@ -308,9 +314,9 @@ def linear_policy_loss(
             sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
             outputs=("logprobs", "entropy") if with_entropy else ("logprobs",), checks=checks, agree={"op": 4},
             # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
-            # both heads' chunks and the KL's gradient (Triton); PyTorch: both heads' chunks, p and a work buffer
-            # (and the exps with an entropy gradient), all fp32
-            **(dict(bytes_per_logit=20, chunk_buffers=3) if kl_loss_type == "full" else {}),
+            # both heads' chunks; folded into the policy's gradient (no softcap, and on PyTorch fp32 / fp64 heads
+            # of one dtype) two fp32 buffers more (PyTorch), else the KL's own gradient and its work buffers
+            **(_full_kl_chunk_bytes(softcap, weight, ref_weight) if kl_loss_type == "full" else {}),
             invariant=invariant, memory_budget_mib=memory_budget_mib,
         )  # fmt: skip
     except (TypeError, ValueError) as error:  # raised on every TP rank: the CP ranks of other TP groups hear it too

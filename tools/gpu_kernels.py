@@ -1,0 +1,209 @@
+"""Issue #33's kernels against their targets on one GPU, in one run (`tools/gpu_check.sh` calls it).
+
+    python tools/gpu_kernels.py --device cuda --out OUT                     # on a lent GPU: the issue's shapes
+    TRITON_INTERPRET=1 python tools/gpu_kernels.py --device cpu --tiny      # a dry run of the script here
+
+Each row is a forward + backward (or one kernel launch) timed against its baseline in the same interleaved
+rounds (median over rounds, CUDA events), with the issue's target for the ratio:
+
+* ``token_logprobs`` from ``[32768, 128256]`` bf16 logits (``impl="triton"``): ``top_p=0.9`` (the Triton threshold
+  search) <= 2x and ``top_k=50`` <= 1.5x the plain op; ``invariant=True`` <= 1.10x;
+* the fused head 8192 x 4096 x 128256 bf16: ``linear_token_logprobs(invariant=True)`` <= 1.10x the default;
+  ``rl.linear_policy_loss`` (PPO, entropy, temperature) ``invariant=True`` <= 1.10x and ``kl_loss_type="full"``
+  (the KL folded in the Triton softmax gradient) <= 1.35x the policy loss without it;
+* the kernels alone on one ``[1024, 128256]`` chunk against the softmax statistics kernel (one read of the
+  chunk, the memory floor): the search's histograms (by key, by mass) and candidates, the invariant block
+  sums, each <= 1.10x; the softmax gradient with the folded KL term against the plain gradient: <= 1.5x (it moves
+  6 bytes per element instead of 4).
+
+Writes ``OUT/kernels33.json`` (every sample) and prints a table. The static figures these should meet are in
+docs/kernels.md (`python -m lmloss.kernels.report`); none of them was timed before this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import lmloss
+
+
+def _events(device):
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    return None
+
+
+def _timed(step, device) -> float:
+    ev = _events(device)
+    if ev is None:
+        start = time.perf_counter()
+        step()
+        return (time.perf_counter() - start) * 1e3
+    ev[0].record()
+    step()
+    ev[1].record()
+    torch.cuda.synchronize(device)
+    return ev[0].elapsed_time(ev[1])
+
+
+def _cases(device, tiny: bool):
+    """name -> (make() -> step, baseline name or None, target ratio or None)."""
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n, v = (32768, 128256) if not tiny else (64, 1000)
+    nf, hf = (8192, 4096) if not tiny else (64, 32)
+    chunk_rows, chunk_v = (1024, 128256) if not tiny else (16, 1000)
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def logits(**kw):
+        def make():
+            x = (torch.randn(n, v, generator=g) * 2).to(dt).to(device).requires_grad_()
+            y = x.detach().float().argmax(-1)  # kept by every truncation
+
+            def step():
+                x.grad = None
+                lmloss.token_logprobs(x, y, impl="triton", **kw).sum().backward()
+
+            return step
+
+        return make
+
+    def fused(policy=False, **kw):
+        def make():
+            h = torch.randn(nf, hf, generator=g).to(dt).to(device).requires_grad_()
+            w = (torch.randn(v, hf, generator=g) / hf**0.5).to(dt).to(device).requires_grad_()
+            y = torch.randint(0, v, (nf,), generator=g).to(device)
+            adv = torch.randn(nf, generator=g).to(device)
+            old = (-10.0 + 0.3 * adv).to(device)
+            extra = {}
+            if kw.pop("full_kl", False):
+                extra = dict(kl_loss_type="full", kl_loss_coef=0.01, ref_hidden=(h.detach() + 0.01).contiguous(),
+                             ref_weight=(w.detach() * 1.01).contiguous())  # fmt: skip
+
+            def step():
+                h.grad = w.grad = None
+                if policy:
+                    loss, _ = lmloss.rl.linear_policy_loss(h, w, y, old, adv, temperature=0.7, entropy_coeff=0.01,
+                                                           impl="triton", **extra, **kw)  # fmt: skip
+                else:
+                    loss = lmloss.linear_token_logprobs(h, w, y, impl="triton", **kw).sum()
+                loss.backward()
+
+            return step
+
+        return make
+
+    def kernel(name):
+        def make():
+            from lmloss.kernels import ChunkMath
+            from lmloss.kernels import triton_kernels as tk
+            from lmloss.kernels import triton_sampling as ts
+
+            x = (torch.randn(chunk_rows, chunk_v, generator=g) * 2).to(dt).to(device)
+            z = (x.float() + 0.01).to(dt)
+            math = ChunkMath(vocab_start=0, valid=chunk_v, scale=1 / 0.7)
+            stats = tk.softmax_partials(x, None, math, entropy=False, target=False, sum_logits=False)
+            m, lse = stats[:, 0].contiguous(), (stats[:, 0] + stats[:, 1].log()).contiguous()
+            lo = torch.full((chunk_rows,), float("-inf"), device=device)
+            coef = torch.tensor([[-1.0, 1.0, 0.0, 0.0]], device=device).expand(chunk_rows, 4).contiguous()
+            labels = x.float().argmax(-1)
+            counts, _ = ts.histogram(x, math, lo, m, ts.MODE_MASS)
+            top = (counts > 0).int().cumsum(1).argmax(1).to(torch.int32)  # the highest occupied bin: a few columns
+            out = torch.empty_like(x)
+            steps = {
+                "kernel softmax_partials": lambda: tk.softmax_partials(x, labels, math, entropy=False, target=True,
+                                                                       sum_logits=False),  # fmt: skip
+                "kernel top_k_histogram": lambda: ts.histogram(x, math, lo, None, ts.MODE_KEY),
+                "kernel top_p_histogram": lambda: ts.histogram(x, math, lo, m, ts.MODE_MASS),
+                "kernel top_p_candidates": lambda: ts.candidates(x, math, lo, m, top - 8, top, 4096, ts.MODE_MASS),
+                "kernel invariant block_partials": lambda: tk.block_partials(x, labels, math, entropy=False,
+                                                                             target=True, sum_logits=False),  # fmt: skip
+                "kernel softmax_grad": lambda: tk.softmax_grad_(x, labels, lse, None, coef, math, out),
+                "kernel softmax_grad full KL": lambda: tk.softmax_grad_(
+                    x, labels, lse, None, coef, math, out, difference=(z, torch.full_like(lse, 0.1))),
+            }  # fmt: skip
+            return steps[name]
+
+        return make
+
+    read = "kernel softmax_partials"
+    return {
+        "token_logprobs": (logits(), None, None),
+        "token_logprobs top_p=0.9": (logits(top_p=0.9), "token_logprobs", 2.0),
+        "token_logprobs top_k=50": (logits(top_k=50), "token_logprobs", 1.5),
+        "token_logprobs invariant": (logits(invariant=True), "token_logprobs", 1.10),
+        "linear_token_logprobs": (fused(), None, None),
+        "linear_token_logprobs invariant": (fused(invariant=True), "linear_token_logprobs", 1.10),
+        "linear_policy_loss": (fused(policy=True), None, None),
+        "linear_policy_loss invariant": (fused(policy=True, invariant=True), "linear_policy_loss", 1.10),
+        "linear_policy_loss full KL": (fused(policy=True, full_kl=True), "linear_policy_loss", 1.35),
+        read: (kernel(read), None, None),
+        "kernel top_k_histogram": (kernel("kernel top_k_histogram"), read, 1.10),
+        "kernel top_p_histogram": (kernel("kernel top_p_histogram"), read, 1.10),
+        "kernel top_p_candidates": (kernel("kernel top_p_candidates"), read, 1.10),
+        "kernel invariant block_partials": (kernel("kernel invariant block_partials"), read, 1.10),
+        "kernel softmax_grad": (kernel("kernel softmax_grad"), None, None),
+        "kernel softmax_grad full KL": (kernel("kernel softmax_grad full KL"), "kernel softmax_grad", 1.5),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="small shapes (a dry run of the script)")
+    p.add_argument("--case", action="append", help="only these cases (and their baselines)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    cases = _cases(device, args.tiny)
+    names = list(cases) if not args.case else [c for c in cases if c in args.case or any(
+        cases[k][1] == c for k in args.case if k in cases)]  # fmt: skip
+    samples: dict[str, list[float]] = {c: [] for c in names}
+    # groups of a baseline and the rows against it, so that each group's tensors live together and then go
+    for base in [c for c in names if cases[c][1] is None]:
+        group = [base] + [c for c in names if cases[c][1] == base]
+        steps = {}
+        for c in group:
+            try:
+                steps[c] = cases[c][0]()
+                steps[c]()  # warm-up: compiles the kernels
+            except Exception as exc:  # noqa: BLE001 - report it and go on with the other rows
+                print(f"{c}: {type(exc).__name__}: {exc}", flush=True)
+                steps.pop(c, None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for r in range(args.rounds):
+            order = list(steps) if r % 2 == 0 else list(reversed(steps))
+            for c in order:
+                samples[c].append(_timed(steps[c], device))
+        del steps
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rows = []
+    print(f"{'case':<34} {'ms':>9} {'baseline':>26} {'ratio':>7} {'target':>7}  met")
+    for c in names:
+        if not samples[c]:
+            continue
+        ms = statistics.median(samples[c])
+        base, target = cases[c][1], cases[c][2]
+        ratio = ms / statistics.median(samples[base]) if base and samples.get(base) else None
+        met = None if ratio is None or target is None else ratio <= target
+        rows.append(dict(case=c, ms=ms, samples=samples[c], baseline=base, ratio=ratio, target=target, met=met))
+        print(f"{c:<34} {ms:>9.3f} {base or '':>26} {'' if ratio is None else f'{ratio:.2f}':>7} "
+              f"{'' if target is None else f'{target:.2f}':>7}  {'' if met is None else ('yes' if met else 'NO')}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    torch=torch.__version__, rounds=args.rounds, tiny=args.tiny)  # fmt: skip
+        with open(os.path.join(args.out, "kernels33.json"), "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
