@@ -94,8 +94,11 @@ class TorchDistillKernels(TorchKernels):
         torch.sub(xv, q, out=q)  # before `out` (maybe x) changes
         if left is not None and in_out:
             r = torch.exp(left.m - lse)
+            # q = e (x - z) from here on: 0 where e is (a column without the policy's mass: 0 * -inf), +inf where
+            # e > 0 and the reference has no mass, as plain PyTorch
+            q.mul_(left.exps).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
             with serial_row_reductions(rows, x.device):
-                sums = q.mul_(left.exps).sum(dim=-1).mul_(r)  # q = e (x - z) from here on
+                sums = q.sum(dim=-1).mul_(r)
             coef, z_coef, entropy = finish(sums)
             s = math_.scale
             a, d = coef[:, 0], coef[:, 3]

@@ -373,9 +373,8 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, dz, pz, SOFTCAP: tl
     # One block of the gradient from y (x after transform, in fp32) with the row's coefficients already
     # times dy/dx's constant part: g = pa p + pb [j == label] + pc (+ d p (log p + H)) (+ pz p dz, the folded
     # difference term: dz = x - z), times (1 - th^2). j_label: whether each lane holds the label's column.
-    # lse2 = lse * log2(e).
-    if DIFF:
-        pa = pa + pz * dz
+    # lse2 = lse * log2(e). The difference term is 0 where p is (a column without the policy's mass: its
+    # dz = -inf would give NaN), +inf where p > 0 and the reference has none, as plain PyTorch.
     if ENTROPY:
         logp2 = x * 1.4426950408889634 - lse2
         p = fast_exp2(logp2, FAST)
@@ -384,6 +383,8 @@ def _grad_block(x, j_label, th, lse2, pa, pb, pc, d_coef, h, dz, pz, SOFTCAP: tl
     else:
         p = fast_exp2(x * 1.4426950408889634 - lse2, FAST)
         g = pa * p + tl.where(j_label, pb + pc, pc)
+    if DIFF:
+        g = g + pz * tl.where(p > 0.0, p * dz, 0.0)
     if SOFTCAP:
         g = g * (1.0 - th * th)
     return g
@@ -495,7 +496,8 @@ def _difference_sums_kernel(
     for kb in range(0, n_main, BLOCK_V):
         x = tl.load(x_main + kb + offs).to(tl.float32)
         z = tl.load(z_main + kb + offs).to(tl.float32)
-        acc += fast_exp2(x * k2 - lse2, FAST) * (x - z)
+        p = fast_exp2(x * k2 - lse2, FAST)
+        acc += tl.where(p > 0.0, p * (x - z), 0.0)  # a column without the policy's mass adds 0, not NaN
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
@@ -503,7 +505,8 @@ def _difference_sums_kernel(
         cols = edge_cols(j, head, n_main)
         x = tl.load(x_ptr + x_start + cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + z_start + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.where(mask, fast_exp2(x * k2 - lse2, FAST) * (x - z), 0.0)
+        p = fast_exp2(x * k2 - lse2, FAST)
+        acc += tl.where(mask & (p > 0.0), p * (x - z), 0.0)
     tl.store(out_ptr + row, tl.sum(acc, 0))
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "sequence_index",
     "sequence_sums",
     "token_weights",
+    "token_weights_with_mask_dtype",
 ]
 
 
@@ -263,10 +264,10 @@ def token_weights(
     Returns:
         ``w``, 0 where `mask` is False; all 0 when the global batch has no valid token.
     """
-    return _token_weights(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, None)
+    return token_weights_with_mask_dtype(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, None)
 
 
-def _token_weights(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, mask_dtype) -> torch.Tensor:
+def token_weights_with_mask_dtype(mask, loss_agg_mode, cu_seqlens, group, horizon, prompt_ids, dtype, mask_dtype) -> torch.Tensor:
     """`token_weights`; `mask_dtype`: the dtype of the mask the caller was given, where `mask` is already
     its bool (None: `mask`'s own), for verl's 1e-8 in ``seq-mean-token-mean`` (`count_with_eps`)."""
     check_group("group", group)

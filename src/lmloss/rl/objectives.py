@@ -32,7 +32,7 @@ from lmloss.metrics import StatsTracker
 from lmloss.packing import as_cu_seqlens
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
-    _token_weights,
+    token_weights_with_mask_dtype,
     check_ids,
     check_mask,
     check_packed_cu_seqlens,
@@ -1004,4 +1004,4 @@ def token_weights_of(mask, loss_agg_mode, cu_seqlens, horizon, dtype, mask_dtype
     """`token_weights` of one batch (no group), flat, in at least `dtype`'s precision; `mask` (bool) made
     from a mask of `mask_dtype` (verl's 1e-8 in ``seq-mean-token-mean``'s lengths follows it)."""
     wdtype = torch.promote_types(dtype, torch.float32)
-    return _token_weights(mask, loss_agg_mode, cu_seqlens, None, horizon, None, wdtype, mask_dtype).reshape(-1)
+    return token_weights_with_mask_dtype(mask, loss_agg_mode, cu_seqlens, None, horizon, None, wdtype, mask_dtype).reshape(-1)
