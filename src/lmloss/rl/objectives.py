@@ -32,7 +32,6 @@ from lmloss.metrics import StatsTracker
 from lmloss.packing import as_cu_seqlens
 from lmloss.rl.aggregation import (
     DTYPE_CODES,
-    token_weights_with_mask_dtype,
     check_ids,
     check_mask,
     check_packed_cu_seqlens,
@@ -40,6 +39,7 @@ from lmloss.rl.aggregation import (
     group_size,
     sequence_index,
     sequence_sums,
+    token_weights_with_mask_dtype,
 )
 from lmloss.vocab_parallel import ProcessGroup
 
