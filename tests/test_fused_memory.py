@@ -73,24 +73,28 @@ TORCH_FUSED_MISSING = (
 )
 
 
-def _compare_with_naive_and_torch(n, h, v):
-    """Peaks above inputs + grads: naive, torch's fused op (None where torch lacks it), lmloss.
+def _compare_with_naive_and_torch(n, h, v, *, with_naive=True):
+    """Peaks above inputs + grads: naive (None without `with_naive`), torch's fused op (None where torch
+    lacks it), lmloss.
 
     lmloss against naive is asserted first; the caller skips the torch comparison where torch lacks the op.
     """
     hidden, weight, _, labels = _inputs(n, h, v)
-    naive, _ = _peak_above_grads(lambda x, w, b: _naive(x, w, b, labels), hidden, weight)
+    naive = None
+    if with_naive:
+        naive, _ = _peak_above_grads(lambda x, w, b: _naive(x, w, b, labels), hidden, weight)
     ours, mem = _peak_above_grads(
         lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels), hidden, weight, record=True
     )
-    assert ours <= naive / 10, f"naive {naive / MiB:.1f} MiB, lmloss {ours / MiB:.1f} MiB"
+    one_tensor = n * v * 4  # one [N, V] fp32 tensor: naive holds several
+    assert ours <= one_tensor / 10 and (naive is None or ours <= naive / 10), f"lmloss {ours / MiB:.1f} MiB"
     assert all(a.shape != (n, v) for a in mem.allocations)
     if TORCH_FUSED_MISSING:
         return naive, None, ours
     chunked, _ = _peak_above_grads(lambda x, w, b: _torch_chunked(x, w, b, labels), hidden, weight)
-    figures = f"naive {naive / MiB:.1f} MiB, torch {chunked / MiB:.1f} MiB, lmloss {ours / MiB:.1f} MiB"
+    figures = f"torch {chunked / MiB:.1f} MiB, lmloss {ours / MiB:.1f} MiB"
     # torch's op really chunks here (else the comparison would be against a second naive path)
-    assert chunked <= naive / 10, figures
+    assert chunked <= one_tensor / 10, figures
     assert ours <= chunked, figures
     return naive, chunked, ours
 
@@ -117,8 +121,8 @@ def test_fused_cross_entropy_stated_figures_at_8192_by_256_by_32000(monkeypatch)
     # live tensors' bytes, the same for any thread count
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, os.cpu_count() or 1))
-    try:
-        naive, chunked, ours = _compare_with_naive_and_torch(8192, 256, 32000)
+    try:  # naive's figure is checked at 1/16 of this shape (above): its [8192, 32000] tensors cost seconds here
+        _, chunked, ours = _compare_with_naive_and_torch(8192, 256, 32000, with_naive=False)
     finally:
         torch.set_num_threads(threads)
     assert ours / MiB <= 32.0  # one fp32 chunk of 256 tokens (31.25 MiB), its gathered hidden rows, O(N) vectors
@@ -217,8 +221,10 @@ def test_no_grad_allocates_no_gradient_buffers(reduction):
 # the memory budget caps everything an op allocates, the weight-gradient accumulator included
 
 NB, HB, VB = 512, 64, 4000  # bf16: the fp32 weight-gradient accumulator alone is 0.98 MiB
-BUDGET_MIB = 0.25  # a quarter of it: the op must run a schedule that needs none
-#: O(N) vectors beyond the chunk-sized ones: an RL objective's per-token inputs, masked, and its terms
+BUDGET_MIB = 0.4  # 40% of it: the op must run a schedule that needs none
+#: O(N) vectors beyond the chunk-sized ones, per token: a per-token backward's saved log-sum-exps, entropies,
+#: coefficients [N, 4] and upstreams (96 bytes); an RL objective's per-token inputs, masked, and its terms
+PER_TOKEN_BACKWARD = 96
 RL_PER_TOKEN = 160
 
 
@@ -284,11 +290,11 @@ def test_every_fused_op_stays_within_a_budget_below_its_weight_gradient_accumula
     same gradients."""
     hidden, weight, fn = _budget_op(op)
     accumulator = VB * HB * 4
-    assert accumulator > 3 * BUDGET_MIB * MiB
+    assert accumulator > 2 * BUDGET_MIB * MiB
     budget = BUDGET_MIB
     lean, _ = _peak_above_grads(lambda x, w, b: fn(x, w, budget), hidden, weight)
     lean_grads = (hidden.grad.clone(), weight.grad.clone())
-    slack = (RL_PER_TOKEN if op.startswith("policy") else PER_TOKEN_SLACK) * NB
+    slack = (RL_PER_TOKEN if op.startswith("policy") else PER_TOKEN_BACKWARD) * NB
     assert lean <= budget * MiB + slack, f"{lean / MiB:.3f} MiB above grads, budget {budget:.3f} MiB"
     roomy, _ = _peak_above_grads(lambda x, w, b: fn(x, w, None), hidden, weight)
     assert roomy >= accumulator, f"{roomy / MiB:.3f} MiB"  # the default schedule keeps the accumulator
