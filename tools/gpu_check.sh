@@ -10,7 +10,9 @@
 #   machine's torch for whatever time is left (a smoke run: -x, stopped by its time box). Between 2 and 3:
 #   tools/gpu_invariant.py (invariant=True's bits on the GPU and its cost, OUT/invariant.json), then
 #   tools/gpu_kernels.py (issue #33: top-p / top-k with the Triton threshold search, the full KL folded in the
-#   Triton softmax gradient, invariant=True, and each new kernel alone, against their targets, OUT/kernels33.json).
+#   Triton softmax gradient, invariant=True, and each new kernel alone, against their targets, OUT/kernels33.json),
+#   then tools/gpu_lean.py (issue #31: half the tokens ignored against none, OUT/lean31.json) and `lmloss bench
+#   --budget default,1536` on the fused head beside Liger and Cut Cross-Entropy (OUT/budget31/).
 # Each step has a time box; a failed step is logged and the next one runs.
 set -u
 OUT=${OUT:-out/gpu}
@@ -38,6 +40,14 @@ timeout "${INVARIANT_S:-120}" python3 tools/gpu_invariant.py --device cuda --out
 
 say "issue 33: the kept set's search, the full KL and invariant mode against their targets (tools/gpu_kernels.py)"
 timeout "${KERNELS33_S:-180}" python3 tools/gpu_kernels.py --device cuda --out "$OUT" || say "gpu_kernels: exit $?"
+
+say "issue 31: tokens that do not count (tools/gpu_lean.py), the fused head within a budget below its accumulator"
+timeout "${LEAN31_S:-120}" python3 tools/gpu_lean.py --device cuda --out "$OUT" || say "gpu_lean: exit $?"
+# the default budget (4 GiB: the accumulator and one chunk) and 1536 MiB (below the 2004 MiB fp32 accumulator:
+# the weight pass), beside Liger and Cut Cross-Entropy: time / floor, peak and dW error against float64
+timeout "${BUDGET31_S:-150}" python3 -m lmloss.cli bench --device cuda --workload fused --tokens 8192 --hidden 4096 \
+  --vocab 128256 --dtype bfloat16 --kernel triton --impl naive,fused,liger,cce,matmul-floor --budget default,1536 \
+  --no-progress --no-plots --out "$OUT/budget31" || say "bench --budget: exit $?"
 
 say "Triton kernel tests on the GPU"
 {
