@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import lmloss
 from lmloss import rl
 from lmloss.chunks import INVARIANT_GEMM_TILE, auto_chunk_size, fused_schedule
+from impl_params import IMPLS
 from lmloss.profiling import peak_memory
 
 MiB = 1024**2
@@ -386,3 +387,43 @@ def test_memory_budget_mib_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", str(BUDGET_MIB))
     from_env, _ = _peak_above_grads(lambda x, w, b: lmloss.linear_cross_entropy(x, w, labels), hidden, weight)
     assert from_env <= BUDGET_MIB * MiB + PER_TOKEN_SLACK * NB
+
+
+WEIGHT_PASS_CASES = [
+    ("ce_smoothing_zloss", "torch"),
+    *[(op, impl) for op in ("logprobs_entropy_topk", "policy_full_kl") for impl in IMPLS],  # the Triton ones: slow
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "impl"), WEIGHT_PASS_CASES)
+def test_the_weight_pass_gives_the_accumulators_gradients_with_either_implementation(op, impl):
+    """The weight pass hands each implementation's kernels a block of the shard's columns (a sub-shard: its
+    labels, padding and kept set as for a TP shard) and recomputes the block's d-logits from the forward's
+    per-token coefficients; the gradients are the accumulator's (bf16, to a rounding)."""
+    g = torch.Generator().manual_seed(14)
+    n, h, v = 32, 16, 300
+    hidden, weight = torch.randn(n, h, generator=g).bfloat16(), (torch.randn(v, h, generator=g) * 0.3).bfloat16()
+    labels = torch.randint(0, 290, (n,), generator=g)
+    labels[::5] = -100
+    up = torch.randn(n, generator=g)
+    old, adv = -torch.rand(n, generator=g) - 3.0, torch.randn(n, generator=g)
+    ref = (torch.randn(n, 8, generator=g).bfloat16(), (torch.randn(v, 8, generator=g) * 0.3).bfloat16())
+
+    def run(budget):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        kw = dict(impl=impl, memory_budget_mib=budget, temperature=0.8)
+        if op == "ce_smoothing_zloss":
+            loss = lmloss.linear_cross_entropy(x, w, labels, label_smoothing=0.1, z_loss=1e-3, vocab_size=290, **kw)
+        elif op == "logprobs_entropy_topk":
+            y = torch.where(labels == -100, labels, (hidden.float() @ weight.float().T).argmax(-1))
+            lp, ent = lmloss.linear_token_logprobs(x, w, y, return_entropy=True, top_k=20, **kw)
+            loss = (lp * up).sum() + (ent * up).sum()
+        else:
+            loss, _ = rl.linear_policy_loss(x, w, labels, old, adv, kl_loss_type="full", kl_loss_coef=0.1,
+                                            ref_hidden=ref[0], ref_weight=ref[1], entropy_coeff=0.01, **kw)  # fmt: skip
+        (loss * 1.7).backward()  # an upstream that is not 1: it joins the weight pass's coefficients
+        return x.grad.float(), w.grad.float()
+
+    lean, roomy = run(0.012), run(None)  # 12 KiB: blocks of 128 columns or fewer; the accumulator is 19 KiB
+    for a, b in zip(lean, roomy):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
