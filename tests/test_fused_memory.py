@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
+from impl_params import IMPLS
 from lmloss import rl
 from lmloss.chunks import INVARIANT_GEMM_TILE, auto_chunk_size, fused_schedule
-from impl_params import IMPLS
 from lmloss.profiling import peak_memory
 
 MiB = 1024**2
@@ -389,13 +389,8 @@ def test_memory_budget_mib_wins_over_the_environment(monkeypatch):
     assert from_env <= BUDGET_MIB * MiB + PER_TOKEN_SLACK * NB
 
 
-WEIGHT_PASS_CASES = [
-    ("ce_smoothing_zloss", "torch"),
-    *[(op, impl) for op in ("logprobs_entropy_topk", "policy_full_kl") for impl in IMPLS],  # the Triton ones: slow
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(("op", "impl"), WEIGHT_PASS_CASES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["ce_smoothing_zloss", "logprobs_entropy_topk", "policy_full_kl"])
 def test_the_weight_pass_gives_the_accumulators_gradients_with_either_implementation(op, impl):
     """The weight pass hands each implementation's kernels a block of the shard's columns (a sub-shard: its
     labels, padding and kept set as for a TP shard) and recomputes the block's d-logits from the forward's
@@ -408,6 +403,9 @@ def test_the_weight_pass_gives_the_accumulators_gradients_with_either_implementa
     up = torch.randn(n, generator=g)
     old, adv = -torch.rand(n, generator=g) - 3.0, torch.randn(n, generator=g)
     ref = (torch.randn(n, 8, generator=g).bfloat16(), (torch.randn(v, 8, generator=g) * 0.3).bfloat16())
+
+    if impl == "triton" and op == "ce_smoothing_zloss":
+        pytest.skip("the Triton kernels' sub-shards are taken by the two cases after it (the interpreter is slow)")
 
     def run(budget):
         x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
