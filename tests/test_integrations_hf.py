@@ -393,6 +393,27 @@ def test_patched_forward_and_backward_allocate_no_tokens_by_vocab_tensor():
     assert measured["patched"].peak < measured["reference"].peak - 2 * logits_bytes
 
 
+def test_a_memory_budget_below_the_heads_fp32_accumulator_holds_none_and_gives_the_same_gradients():
+    # a bf16 head accumulates its weight gradient in fp32 ([V, H]); memory_budget_mib below that takes the
+    # weight pass: no [V, H] fp32 tensor, the same loss and gradients (fp32 sums in both)
+    vocab = 4096
+    reference = tiny_model("llama", vocab=vocab).to(torch.bfloat16)
+    ids, mask, labels = batch(vocab=vocab, seq=96)
+    accumulator = vocab * 32 * 4
+    results = {}
+    for name, budget in (("default", None), ("budget", 0.25)):
+        model = hf.patch(copy.deepcopy(reference), memory_budget_mib=budget)
+        with _LargestAllocation() as tracker:
+            out, grads = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+        results[name] = out.loss, grads, tracker.largest
+    assert results["default"][2] >= accumulator  # the tracker sees the default's fp32 accumulator
+    assert results["budget"][2] < accumulator
+    torch.testing.assert_close(results["budget"][0], results["default"][0], rtol=0, atol=1e-6)
+    assert_same_grads(results["budget"][1], results["default"][1], rtol=1e-2, atol=1e-5)
+    with pytest.raises(ValueError, match="memory_budget_mib"):
+        hf.patch(copy.deepcopy(reference), memory_budget_mib=0)
+
+
 def test_token_logprobs_and_entropy_match_log_softmax_of_transformers_logits():
     reference = tiny_model("qwen3")
     patched = hf.patch(copy.deepcopy(reference))

@@ -378,8 +378,9 @@ def test_backend_strings_and_options_are_checked():
     )
     assert opts == LV.HeadOptions(invariant=True, impl="torch")  # verl's "off" values are off
     assert LV.backend_options("lmloss:top_k=50,top_p=0.95,chunk_size=none").op_kwargs() == dict(
-        top_k=50, top_p=0.95, min_p=None, invariant=False, chunk_size=None, impl="auto"
+        top_k=50, top_p=0.95, min_p=None, invariant=False, chunk_size=None, impl="auto", memory_budget_mib=None
     )
+    assert LV.backend_options("lmloss:memory_budget_mib=512").memory_budget_mib == 512.0
     for spec, match in [
         ("lmloss:top_q=0.9", "top_q"),
         ("lmloss:top_p", "top_p"),
@@ -388,6 +389,8 @@ def test_backend_strings_and_options_are_checked():
         ("lmloss:invariant=maybe", "invariant='maybe'"),
         ("lmloss:impl=cuda", "impl must be one of"),
         ("lmloss:chunk_size=0", "chunk_size must be"),
+        ("lmloss:memory_budget_mib=0", "memory_budget_mib must be"),
+        ("lmloss:memory_budget_mib=lots", "memory_budget_mib='lots'"),
         ("liger", "not lmloss's"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
+from lmloss.chunks import check_memory_budget
 
 __all__ = ["HeadTransform", "head_transform", "is_patched", "patch", "token_logprobs", "unpatch"]
 
@@ -483,6 +484,7 @@ def patch(
     chunk_size: int | str | None = "auto",
     impl: str = "auto",
     weight_grad_dtype: torch.dtype = torch.float32,
+    memory_budget_mib: float | None = None,
     logits_in_eval: bool = True,
     verify: bool = True,
 ) -> torch.nn.Module:
@@ -514,8 +516,10 @@ def patch(
         model: a ``PreTrainedModel`` with a decoder body (``model.base_model`` or ``model.model``) and a linear
             ``lm_head`` (``model.get_output_embeddings()``), optionally already wrapped by FSDP2's
             ``fully_shard`` (then every rank must call `patch`: the check below runs a forward).
-        chunk_size, impl, weight_grad_dtype: `lmloss.linear_cross_entropy`'s arguments, used for every
-            loss the patched model computes.
+        chunk_size, impl, weight_grad_dtype, memory_budget_mib: `lmloss.linear_cross_entropy`'s arguments,
+            used for every loss the patched model computes (``memory_budget_mib`` caps what the loss allocates
+            beyond its inputs and their gradients, the ``[V, H]`` fp32 weight-gradient accumulator included;
+            None: ``LMLOSS_CHUNK_BUDGET_MIB`` or the device's default).
         logits_in_eval: in eval mode, run the original forward (logits and transformers' loss).
         verify: run one forward of 8 tokens of the unpatched model in eval mode at patch time, and refuse
             the patch unless the model's logits are the transform lmloss applies and its loss equals the
@@ -533,7 +537,9 @@ def patch(
     if is_patched(model):
         return model
     transform = head_transform(model)
-    options = dict(chunk_size=chunk_size, impl=impl, weight_grad_dtype=weight_grad_dtype)
+    check_memory_budget(memory_budget_mib)
+    options = dict(chunk_size=chunk_size, impl=impl, weight_grad_dtype=weight_grad_dtype,
+                   memory_budget_mib=memory_budget_mib)  # fmt: skip
     state = _PatchState(
         instance_forward=model.__dict__.get("forward"), options=options, logits_in_eval=bool(logits_in_eval),
         verify=bool(verify), config_read=transform, transform=transform,

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 import lmloss
+from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf
 
 try:
@@ -126,6 +127,9 @@ class HeadOptions:
             (docs/invariant.md; the model body's hidden states are not covered).
         chunk_size: tokens per chunk, ``"auto"`` (a memory budget) or None (one chunk).
         impl: ``"auto"`` (Triton on CUDA when it imports), ``"torch"`` or ``"triton"``.
+        memory_budget_mib: what the head may allocate beyond its inputs and their gradients, in MiB (the
+            ``[V, H]`` fp32 weight-gradient accumulator included: below it, the weight pass); None: the
+            default (``LMLOSS_CHUNK_BUDGET_MIB`` or the device's).
     """
 
     top_k: int | None = None
@@ -134,6 +138,7 @@ class HeadOptions:
     invariant: bool = False
     chunk_size: int | str | None = "auto"
     impl: str = "auto"
+    memory_budget_mib: float | None = None
 
     def __post_init__(self) -> None:
         def set_(name, value):
@@ -168,6 +173,7 @@ class HeadOptions:
             raise ValueError(f"chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        check_memory_budget(self.memory_budget_mib)
 
     def op_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for `lmloss.linear_token_logprobs`."""
@@ -178,7 +184,8 @@ def backend_options(spec: str) -> HeadOptions:
     """The options of a backend string: ``"lmloss"`` (the defaults) or ``"lmloss:key=value,key=value"``.
 
     Keys are `HeadOptions`' fields: ``top_k`` (int), ``top_p`` / ``min_p`` (float), ``invariant``
-    (``true`` / ``false``), ``chunk_size`` (int, ``auto`` or ``none``), ``impl``. Spaces are ignored.
+    (``true`` / ``false``), ``chunk_size`` (int, ``auto`` or ``none``), ``impl``, ``memory_budget_mib``
+    (MiB, or ``none``). Spaces are ignored.
 
     Raises:
         ValueError: naming the backend string and the key or value it cannot read.
@@ -210,6 +217,8 @@ def backend_options(spec: str) -> HeadOptions:
                 value = low in ("true", "1")
             elif key == "chunk_size":
                 value = None if low in ("none", "null") else "auto" if low == "auto" else int(raw)
+            elif key == "memory_budget_mib":
+                value = None if low in ("none", "null") else float(raw)
             else:
                 value = raw
         except ValueError:
