@@ -149,6 +149,27 @@ def test_partials_flags_off_and_degenerate_rows():
     assert (empty[:, 0] == -INF).all() and (empty[:, 1:] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["ragged-3-blocks", "padded-shard", "softcap-temperature"])
+def test_partials_of_rows_that_do_not_count_read_nothing_and_give_lse_0(case):
+    # a slice of logits joins short gaps of ignored rows (lmloss.rows): `live` False rows are not read (NaN
+    # there reaches nothing) and give (m, s, t, target, sum_y) = (0, 1, 0, 0, 0); the live rows are unchanged
+    c, v_local, valid, start, scale, softcap, block = CASES[case]
+    math = ChunkMath(vocab_start=start, valid=valid, scale=scale, softcap=softcap)
+    x = make_logits(c, v_local, valid, torch.float32, seed=5)
+    live = torch.ones(c, dtype=torch.bool)
+    live[1::2] = False
+    x[~live] = NAN
+    labels = case_labels(c, start).to(DEVICE)
+    flags = dict(entropy=True, target=True, sum_logits=True, block_v=block)
+    got = softmax_partials(x, labels, math, live=live.to(DEVICE), **flags)
+    every = softmax_partials(x, labels, math, **flags)
+    assert torch.equal(got[live], every[live])
+    assert torch.equal(got[~live].cpu(), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]]).expand(int((~live).sum()), 5))
+    assert every[~live].isnan().any()  # without `live` those rows are read
+    with pytest.raises(ValueError, match="live"):
+        softmax_partials(x, labels, math, live=live[:-1].to(DEVICE), **flags)
+
+
 def combine(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lse, entropy and target logit of the whole vocabulary from the shards' partials, in float64."""
     p = torch.stack(parts).double()  # [shards, c, 5]

@@ -387,10 +387,12 @@ class BufferSink:
     chunk's gradient is written over its own copy, then copied into its rows); rows that do not count are
     zeroed once."""
 
-    def __init__(self, grad: torch.Tensor, selection: RowSelection | None = None) -> None:
+    def __init__(
+        self, grad: torch.Tensor, selection: RowSelection | None = None, chunk_rows: int | None = None
+    ) -> None:  # fmt: skip
         self.grad = grad
-        if selection is not None:
-            selection.zero_skipped_(grad)
+        if selection is not None:  # `chunk_rows`: a slicing source's chunks (`RowSelection.zero_skipped_`)
+            selection.zero_skipped_(grad, chunk_rows)
 
     def buffer(self, rows, x):
         return self.grad[rows.start : rows.end] if rows.contiguous else x  # a gathered x is a fresh copy
@@ -404,10 +406,12 @@ class InPlaceSink:
     """Gradient sink that is the logits themselves: each chunk's gradient overwrites its logits (a gathered
     chunk's is copied back into its rows); the rows that do not count are zeroed once."""
 
-    def __init__(self, logits: torch.Tensor, selection: RowSelection | None = None) -> None:
+    def __init__(
+        self, logits: torch.Tensor, selection: RowSelection | None = None, chunk_rows: int | None = None
+    ) -> None:  # fmt: skip
         self.logits = logits
-        if selection is not None:
-            selection.zero_skipped_(logits)
+        if selection is not None:  # `chunk_rows`: a slicing source's chunks (`RowSelection.zero_skipped_`)
+            selection.zero_skipped_(logits, chunk_rows)
 
     def buffer(self, rows, x):
         return x
@@ -622,7 +626,7 @@ class LogitsHead:
         if not needs[0]:
             return LogitRows(self.logits), None
         grad = torch.empty(self.logits.shape, dtype=self.logits.dtype, device=self.logits.device)
-        return LogitRows(self.logits), BufferSink(grad, selection)
+        return LogitRows(self.logits), BufferSink(grad, selection, chunk_rows=rows)
 
     def gradients(self, sink: BufferSink | None, scale: torch.Tensor | None = None, tp_group=None):
         if sink is None:

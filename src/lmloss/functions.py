@@ -185,7 +185,7 @@ class InPlaceCrossEntropy(torch.autograd.Function):
         flat = logits.view(-1, logits.shape[-1])
         results = forward_pass(
             plan, flat.shape[0], objective, LogitRows(flat), device=logits.device, dtype=logits.dtype,
-            grad_sink=InPlaceSink(flat, plan.rows),
+            grad_sink=InPlaceSink(flat, plan.rows, chunk_rows=plan.chunk_size or flat.shape[0]),
         )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.used = False

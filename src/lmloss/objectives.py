@@ -198,13 +198,14 @@ class SoftmaxObjective:
             and world_size(plan.tp_group) == 1 and hasattr(kernels, "loss_and_grad_") and not plan.invariant
         )  # fmt: skip
 
-    def _partials(self, kernels, x, labels, keep: dict, exps: dict, *, overwrite: bool = False):
+    def _partials(self, kernels, x, labels, keep: dict, exps: dict, rows: Rows, *, overwrite: bool = False):
         """The chunk's partials for the combine: per row (`lmloss.kernels`), or per block in invariant mode."""
         plan = self.plan
         if plan.invariant:
             return kernels.block_partials(x, labels, plan.math, **plan.flags, **keep, **exps, block=plan.invariant_block,
                                           global_max=self._global_max, overwrite=overwrite)  # fmt: skip
-        return kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps)
+        return kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, **keep, **exps,
+                                        live=self._live(rows))  # fmt: skip
 
     def _global_max(self, local_max: torch.Tensor) -> torch.Tensor:
         """The invariant kernels' row max over the TP group (one MAX: exact in any order)."""
@@ -236,7 +237,7 @@ class SoftmaxObjective:
         keep = {} if kept is None else {"keep_min": kept.keep_min}
         if sink is None:
             exps = {} if kept is None else {"kept_exps": (kept.exps, kept.row_max, kept.kept_mass)}
-            stats = self._finish(state, self._partials(kernels, x, labels, keep, exps, overwrite=overwrite), labels, rows)
+            stats = self._finish(state, self._partials(kernels, x, labels, keep, exps, rows, overwrite=overwrite), labels, rows)
         else:
             out = sink.buffer(rows, x)
             if self.can_run_one_kernel(kernels, sink):
@@ -262,7 +263,7 @@ class SoftmaxObjective:
                     return stats, coef, stats["lse"]
 
                 if plan.invariant:  # block sums, then the gradient from the row's lse (elementwise)
-                    stats, coef, lse, *rest = finish_with_grad(self._partials(kernels, x, labels, keep, {}))
+                    stats, coef, lse, *rest = finish_with_grad(self._partials(kernels, x, labels, keep, {}, rows))
                     grad = kernels.softmax_grad_(
                         x, labels, lse, rest[0] if rest else None, coef, plan.math, out,
                         uniform_term=plan.label_smoothing > 0, **keep,
@@ -270,7 +271,7 @@ class SoftmaxObjective:
                 else:
                     stats, grad = kernels.partials_then_grad_(
                         x, labels, plan.math, plan.flags, finish_with_grad, out,
-                        uniform_term=plan.label_smoothing > 0, **keep,
+                        uniform_term=plan.label_smoothing > 0, live=self._live(rows), **keep,
                     )  # fmt: skip
             sink.consume(rows, grad)
         if kept is not None:
@@ -427,6 +428,12 @@ class SoftmaxObjective:
         elif plan.sampling is not None:
             stats["dropped"] = torch.zeros(rows.count, dtype=torch.bool, device=partials.device)
         return stats
+
+    def _live(self, rows) -> torch.Tensor | None:
+        """The kernels' `live` rows of a chunk (those that count), or None when every row of the op counts: a
+        slice of logits joins short gaps of rows that do not count (`lmloss.rows`), which the Triton kernels
+        then neither read nor compute."""
+        return None if self.plan.rows is None else self._counting(rows)
 
     def _counting(self, rows) -> torch.Tensor | None:
         return None if self.counting is None else rows.take(self.counting)

@@ -211,7 +211,7 @@ def kernel_rows(
     f32, i32 = "fp32", "i32"
     pointers = {"x_ptr", "out_ptr", "labels_ptr", "lse_ptr", "entropy_ptr", "coef_ptr", "res_ptr", "z_ptr", "zc_ptr",
                 "grad_scale_ptr", "keep_ptr", "target_ptr", "lo_ptr", "shift_ptr", "counts_ptr", "mass_ptr",
-                "bits_ptr", "values_ptr", "count_ptr", "above_ptr"}  # fmt: skip
+                "bits_ptr", "values_ptr", "count_ptr", "above_ptr", "live_ptr"}  # fmt: skip
     sixteen = {name for name, n in (("valid", valid), ("n_cols", width)) if n % 16 == 0}
     if width % 16 == 0:
         sixteen |= {"x_row_stride", "out_row_stride", "z_row_stride"}
@@ -228,8 +228,8 @@ def kernel_rows(
         "forward": (
             tk._softmax_partials_kernel, tk.FORWARD_BLOCKS, valid,
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": i32,
-             "vocab_start": i32, **math, "keep_ptr": "*fp32"},
-            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False), False, True,
+             "vocab_start": i32, **math, "keep_ptr": "*fp32", "live_ptr": "*i1"},
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False, LIVE=False), False, True,
         ),
         "backward": (tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width, grad_sig,
                      dict(flags, ENTROPY=on, LABELS=True, KEEP=False, DIFF=False), False, True),

@@ -124,9 +124,10 @@ class TorchKernels:
 
     def softmax_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
-        keep_min=None, kept_exps=None,
+        keep_min=None, kept_exps=None, live=None,
     ) -> torch.Tensor:  # fmt: skip
-        """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place.
+        """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place. `live` (the
+        rows that count) is not used: whole-chunk tensor ops compute every row (the caller masks the others).
         `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None;
         `kept_exps`: ``(exps, shift, kept_mass or None)`` the threshold search left (reused here, and
         overwritten)."""
@@ -393,7 +394,7 @@ class TorchKernels:
         return out
 
     def partials_then_grad_(
-        self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True, keep_min=None
+        self, x, labels, math: ChunkMath, flags: dict, finish, out, *, uniform_term=True, keep_min=None, live=None
     ):
         """`softmax_partials`, then ``finish(partials) -> (result, coef, lse[, entropy])`` (the TP combine and
         the output math), then `softmax_grad_` into `out`; returns `result`.

@@ -202,14 +202,16 @@ def edge_cols(j, head, n_main):
 # first aligned column, so its loads are 16 bytes wide whatever the width and row stride.
 @triton.jit
 def _softmax_partials_kernel(
-    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr,
+    x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr, live_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
-    KEEP: tl.constexpr,
+    KEEP: tl.constexpr, LIVE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_start = row * x_row_stride
     x_row = x_ptr + row_start
+    if LIVE:  # a row that does not count reads nothing: (m, s, t, target, sum_y) = (0, 1, 0, 0, 0), lse 0
+        valid = tl.where(tl.load(live_ptr + row) != 0, valid, 0)
     keep = -float("inf")
     if KEEP:  # the row's kept set is x >= keep (lmloss.sampling: on the logits themselves, so that the set
         keep = tl.load(keep_ptr + row)  # is the search's whatever the transform rounds); the rest is padding
@@ -253,6 +255,9 @@ def _softmax_partials_kernel(
         if SUM_LOGITS:
             sum_y += tl.where(mask, y, 0.0)
     m_row, s_row, t_row = _lanes_reduce(m, s, t, ENTROPY, FAST)
+    if LIVE:
+        m_row = tl.where(valid > 0, m_row, 0.0)
+        s_row = tl.where(valid > 0, s_row, 1.0)
     out_row = out_ptr + row * 5
     tl.store(out_row + 0, m_row)
     tl.store(out_row + 1, s_row)
@@ -445,17 +450,22 @@ def _softmax_grad_kernel(
     if KEEP:  # columns with x < keep are outside the row's kept set: gradient exactly 0
         keep = tl.load(keep_ptr + row)
     offs = tl.arange(0, BLOCK_V)
-    for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
-        x = tl.load(x_main + kb + offs)
-        y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-        dz = 0.0
-        if DIFF:  # no softcap: th is x in fp32
-            dz = th - tl.load(z_main + kb + offs).to(tl.float32)
-        g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY, FAST,
-                        DIFF)  # fmt: skip
-        if KEEP:
-            g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
-        tl.store(o_main + kb + offs, tl.where(live, g, 0.0).to(out_ptr.dtype.element_ty))
+    if live:
+        for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
+            x = tl.load(x_main + kb + offs)
+            y, th = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
+            dz = 0.0
+            if DIFF:  # no softcap: th is x in fp32
+                dz = th - tl.load(z_main + kb + offs).to(tl.float32)
+            g = _grad_block(y, offs == label - head - kb, th, lse2, pa, pb, pc, pd, h, dz, pz, SOFTCAP, ENTROPY,
+                            FAST, DIFF)  # fmt: skip
+            if KEEP:
+                g = tl.where(x.to(tl.float32) >= keep, g, 0.0)
+            tl.store(o_main + kb + offs, g.to(out_ptr.dtype.element_ty))
+    else:  # a row without coefficients (a token that does not count): zeros, x not read (a write, not 3 passes)
+        zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty)
+        for kb in range(split * BLOCK_V, n_main, splits * BLOCK_V):
+            tl.store(o_main + kb + offs, zeros)
     if split == 0:
         n_edge = n_cols - n_main
         for e0 in range(0, n_edge, BLOCK_V):
@@ -697,6 +707,7 @@ def softmax_partials(
     sum_logits: bool,
     block_v: int | None = None,
     keep_min: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row softmax partials of a chunk over this shard's valid columns.
 
@@ -709,12 +720,16 @@ def softmax_partials(
         block_v: vocabulary block override (a power of 2); default from ``FORWARD_BLOCKS``.
         keep_min: ``[c]`` fp32 per-row threshold of the kept set on the logits (`lmloss.kernels`): columns
             with ``x < keep_min`` count as padding (a dropped label's target is -inf); None for all columns.
+        live: ``[c]`` bool, the rows that count (`lmloss.rows`: a slice's computed-and-masked rows do not):
+            a row with False reads nothing and gets ``(0, 1, 0, 0, 0)`` (lse 0); None for every row.
 
     Returns:
         fp32 ``[c, 5]``: (max y, sum exp(y - max), sum exp(y - max) * (y - max), y at the label if this shard
         owns it else 0, sum y), sums over the ``math.valid`` leading columns.
     """
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
+    if live is not None:
+        live = row_vector("live", live, rows, (torch.bool,))
     out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
@@ -723,8 +738,9 @@ def softmax_partials(
     with device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
-            out if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
-            BLOCK_V=block, ALIGN=alignment(x), KEEP=keep_min is not None, num_warps=warps, **flags,
+            out if keep_min is None else keep_min, out if live is None else live, ENTROPY=entropy, TARGET=target,
+            SUM_LOGITS=sum_logits, BLOCK_V=block, ALIGN=alignment(x), KEEP=keep_min is not None,
+            LIVE=live is not None, num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -1033,11 +1049,13 @@ class TritonKernels:
     name = "triton"
 
     def softmax_partials(
-        self, x, labels, math, *, entropy, target, sum_logits, overwrite=False, keep_min=None, kept_exps=None
-    ):
-        """`kept_exps` (the threshold search's exps) is not used: the kernel's one pass makes its own."""
+        self, x, labels, math, *, entropy, target, sum_logits, overwrite=False, keep_min=None, kept_exps=None,
+        live=None,
+    ):  # fmt: skip
+        """`kept_exps` (the threshold search's exps) is not used: the kernel's one pass makes its own. `live`:
+        the rows that count; the others are not read (`softmax_partials`)."""
         return softmax_partials(
-            x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min
+            x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, live=live
         )
 
     def block_partials(
@@ -1073,10 +1091,13 @@ class TritonKernels:
                       coef.to(torch.float32), math, out, difference=(z, z_coef.to(torch.float32)))  # fmt: skip
         return sums
 
-    def partials_then_grad_(self, x, labels, math, flags, finish, out, *, uniform_term=True, keep_min=None):
+    def partials_then_grad_(
+        self, x, labels, math, flags, finish, out, *, uniform_term=True, keep_min=None, live=None
+    ):  # fmt: skip
         """Partials, then ``finish(partials) -> (result, coef, lse[, entropy])`` (TP combine, output math),
-        then the gradient into `out` (which may be `x`). Returns ``(result, out)``."""
-        result, coef, lse, *rest = finish(softmax_partials(x, labels, math, **flags, keep_min=keep_min))
+        then the gradient into `out` (which may be `x`). Returns ``(result, out)``. A row that does not count
+        (`live` False; its coefficients are 0) is read by neither kernel."""
+        result, coef, lse, *rest = finish(softmax_partials(x, labels, math, **flags, keep_min=keep_min, live=live))
         entropy = rest[0] if rest else None
         return result, softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
 
