@@ -40,6 +40,7 @@ def _events(device):
 
 
 def _timed(step, device) -> float:
+    getattr(step, "prepare", lambda: None)()  # untimed: what the step consumes (the in-place row's logits)
     ev = _events(device)
     if ev is None:
         start = time.perf_counter()
@@ -52,35 +53,64 @@ def _timed(step, device) -> float:
     return ev[0].elapsed_time(ev[1])
 
 
+#: One ``[32768, 128256]`` input shared by the logits rows (8.4 GB in bf16, its gradient as much again), freed
+#: after their group.
+_SHARED: dict[str, torch.Tensor] = {}
+
+
 def _cases(device, tiny: bool):
     """name -> (make() -> step, baseline name or None, target ratio or None)."""
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     n, v = (32768, 128256) if not tiny else (64, 1000)
     nf, hf = (8192, 4096) if not tiny else (64, 32)
     chunk_rows, chunk_v = (1024, 128256) if not tiny else (16, 1000)
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(
+        0
+    )  # made on the device: a CPU randn of 4G elements takes seconds
 
-    def logits(**kw):
+    def logits(op="token_logprobs", **kw):
         def make():
-            x = (torch.randn(n, v, generator=g) * 2).to(dt).to(device).requires_grad_()
+            if op == "cross_entropy inplace" or "x" not in _SHARED:  # the in-place backward writes its input
+                x = (torch.randn(n, v, generator=g, device=device) * 2).to(dt).to(device).requires_grad_()
+                if op != "cross_entropy inplace":
+                    _SHARED["x"] = x
+            else:
+                x = _SHARED["x"]
             y = x.detach().float().argmax(-1)  # kept by every truncation
+            produced: dict[str, torch.Tensor] = {}
 
             def step():
                 x.grad = None
-                lmloss.token_logprobs(x, y, impl="triton", **kw).sum().backward()
+                if op == "cross_entropy inplace":
+                    loss = lmloss.cross_entropy(produced.pop("logits"), y, impl="triton", inplace_backward=True,
+                                                **kw)  # fmt: skip
+                    loss.backward()
+                    return
+                out = lmloss.token_logprobs(x, y, impl="triton", **kw)
+                (out[0] + out[1] if isinstance(out, tuple) else out).sum().backward()
 
+            if (
+                op == "cross_entropy inplace"
+            ):  # logits an op made (as an lm_head's are), copied before the timing
+                from lmloss.bench.impls import _ModelOutput
+
+                anchor = torch.zeros((), device=device, requires_grad=True)
+                step.prepare = lambda: produced.update(logits=_ModelOutput.apply(x.detach(), anchor, {}))
             return step
 
         return make
 
     def fused(policy=False, **kw):
         def make():
-            h = torch.randn(nf, hf, generator=g).to(dt).to(device).requires_grad_()
-            w = (torch.randn(v, hf, generator=g) / hf**0.5).to(dt).to(device).requires_grad_()
-            y = torch.randint(0, v, (nf,), generator=g).to(device)
-            adv = torch.randn(nf, generator=g).to(device)
+            h = torch.randn(nf, hf, generator=g, device=device).to(dt).to(device).requires_grad_()
+            w = (torch.randn(v, hf, generator=g, device=device) / hf**0.5).to(dt).to(device).requires_grad_()
+            y = torch.randint(0, v, (nf,), generator=g, device=device)
+            adv = torch.randn(nf, generator=g, device=device).to(device)
             old = (-10.0 + 0.3 * adv).to(device)
             extra = {}
+            if kw.get("loss_mode") in ("gspo", "geo_mean"):  # sequence objectives: 16 sequences of 512 tokens
+                extra = dict(cu_seqlens=torch.arange(0, nf + 1, max(nf // 16, 1), device=device),
+                             loss_agg_mode="seq-mean-token-mean")  # fmt: skip
             if kw.pop("full_kl", False):
                 extra = dict(kl_loss_type="full", kl_loss_coef=0.01, ref_hidden=(h.detach() + 0.01).contiguous(),
                              ref_weight=(w.detach() * 1.01).contiguous())  # fmt: skip
@@ -104,7 +134,7 @@ def _cases(device, tiny: bool):
             from lmloss.kernels import triton_kernels as tk
             from lmloss.kernels import triton_sampling as ts
 
-            x = (torch.randn(chunk_rows, chunk_v, generator=g) * 2).to(dt).to(device)
+            x = (torch.randn(chunk_rows, chunk_v, generator=g, device=device) * 2).to(dt).to(device)
             z = (x.float() + 0.01).to(dt)
             math = ChunkMath(vocab_start=0, valid=chunk_v, scale=1 / 0.7)
             stats = tk.softmax_partials(x, None, math, entropy=False, target=False, sum_logits=False)
@@ -134,6 +164,8 @@ def _cases(device, tiny: bool):
     read = "kernel softmax_partials"
     return {
         "token_logprobs": (logits(), None, None),
+        "token_logprobs entropy": (logits(return_entropy=True), "token_logprobs", 1.3),
+        "cross_entropy inplace": (logits("cross_entropy inplace"), "token_logprobs", None),
         "token_logprobs top_p=0.9": (logits(top_p=0.9), "token_logprobs", 2.0),
         "token_logprobs top_k=50": (logits(top_k=50), "token_logprobs", 1.5),
         "token_logprobs invariant": (logits(invariant=True), "token_logprobs", 1.10),
@@ -142,6 +174,7 @@ def _cases(device, tiny: bool):
         "linear_policy_loss": (fused(policy=True), None, None),
         "linear_policy_loss invariant": (fused(policy=True, invariant=True), "linear_policy_loss", 1.10),
         "linear_policy_loss full KL": (fused(policy=True, full_kl=True), "linear_policy_loss", 1.35),
+        "linear_policy_loss gspo": (fused(policy=True, loss_mode="gspo"), "linear_policy_loss", None),
         read: (kernel(read), None, None),
         "kernel top_k_histogram": (kernel("kernel top_k_histogram"), read, 1.10),
         "kernel top_p_histogram": (kernel("kernel top_p_histogram"), read, 1.10),
@@ -172,7 +205,7 @@ def main() -> None:
         for c in group:
             try:
                 steps[c] = cases[c][0]()
-                steps[c]()  # warm-up: compiles the kernels
+                _timed(steps[c], device)  # warm-up: compiles the kernels
             except Exception as exc:  # noqa: BLE001 - report it and go on with the other rows
                 print(f"{c}: {type(exc).__name__}: {exc}", flush=True)
                 steps.pop(c, None)
@@ -183,6 +216,7 @@ def main() -> None:
             for c in order:
                 samples[c].append(_timed(steps[c], device))
         del steps
+        _SHARED.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows = []

@@ -38,7 +38,7 @@ def _timed(step, device) -> float:
 
 
 def _labels(n: int, v: int, g: torch.Generator, half_ignored: bool) -> torch.Tensor:
-    y = torch.randint(0, v, (n,), generator=g)
+    y = torch.randint(0, v, (n,), generator=g, device=g.device)
     if half_ignored:
         y.view(-1, 512)[:, :256] = -100
     return y
@@ -49,13 +49,15 @@ def _cases(device: torch.device, tiny: bool) -> dict:
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     n, h, v = (8192, 4096, 128256) if not tiny else (1024, 32, 1000)
     nl = 32768 if not tiny else 1024
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(
+        0
+    )  # made on the device: a CPU randn of 4G elements takes seconds
 
     def fused(op: str, half: bool):
         def make():
-            x = torch.randn(n, h, generator=g).to(device, dt).requires_grad_()
-            w = (torch.randn(v, h, generator=g) / h**0.5).to(device, dt).requires_grad_()
-            y, u = _labels(n, v, g, half).to(device), torch.randn(n, generator=g).to(device)
+            x = torch.randn(n, h, generator=g, device=device).to(device, dt).requires_grad_()
+            w = (torch.randn(v, h, generator=g, device=device) / h**0.5).to(device, dt).requires_grad_()
+            y, u = _labels(n, v, g, half).to(device), torch.randn(n, generator=g, device=device).to(device)
 
             def step():
                 x.grad = w.grad = None
@@ -70,8 +72,8 @@ def _cases(device: torch.device, tiny: bool) -> dict:
 
     def logits(half: bool):
         def make():
-            x = (torch.randn(nl, v, generator=g) * 2).to(device, dt).requires_grad_()
-            y, u = _labels(nl, v, g, half).to(device), torch.randn(nl, generator=g).to(device)
+            x = (torch.randn(nl, v, generator=g, device=device) * 2).to(device, dt).requires_grad_()
+            y, u = _labels(nl, v, g, half).to(device), torch.randn(nl, generator=g, device=device).to(device)
 
             def step():
                 x.grad = None
