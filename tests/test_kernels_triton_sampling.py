@@ -171,3 +171,16 @@ def test_ties_at_the_top_k_boundary_and_padding_columns():
     x = torch.tensor([[5.0, 3.0, 4.0, 3.0, 2.0, 3.0, 1.0, 0.0, 9.0, 9.0]], device=DEVICE)
     found = search(x, 1.0, dict(top_k=3), valid=8)
     assert (x[0, :8] >= found.keep_min[0]).tolist() == [True, True, True, True, False, True, False, False]
+
+
+@pytest.mark.parametrize("mode", [ts.MODE_KEY, ts.MODE_MASS])
+def test_histogram_by_global_atomics_equals_tl_histogram(mode):
+    # the two ways `_histogram_kernel` counts (HISTOGRAM_IN_SHARED picks one by Triton's version) agree exactly
+    torch.manual_seed(3)
+    x = (torch.randn(4, 300) * 3).to(torch.bfloat16).to(DEVICE)
+    math_ = ChunkMath(vocab_start=0, valid=290)
+    lo = torch.tensor([-math.inf, 0.0, -1.0, 2.0], device=DEVICE)
+    shift = x[:, :290].float().amax(1)
+    a = ts.histogram(x, math_, lo, shift, mode, block_v=64, shared=True)
+    b = ts.histogram(x, math_, lo, shift, mode, block_v=64, shared=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

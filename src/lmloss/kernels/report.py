@@ -252,12 +252,12 @@ def kernel_rows(
         "top_k_histogram": (
             ts._histogram_kernel, tk.FORWARD_BLOCKS, valid,
             {**search_sig, "counts_ptr": "*i32", "mass_ptr": "*fp32", "valid": i32, "scale": f32},
-            dict(SCALE=on, MODE=ts.MODE_KEY, NB=ts.NBINS, ALIGN=8, FAST=True), False, True,
+            dict(SCALE=on, MODE=ts.MODE_KEY, NB=ts.NBINS, ALIGN=8, FAST=True, SHARED=ts.HISTOGRAM_IN_SHARED), False, True,
         ),
         "top_p_histogram": (
             ts._histogram_kernel, tk.FORWARD_BLOCKS, valid,
             {**search_sig, "counts_ptr": "*i32", "mass_ptr": "*fp32", "valid": i32, "scale": f32},
-            dict(SCALE=on, MODE=ts.MODE_MASS, NB=ts.NBINS, ALIGN=8, FAST=True), False, True,
+            dict(SCALE=on, MODE=ts.MODE_MASS, NB=ts.NBINS, ALIGN=8, FAST=True, SHARED=ts.HISTOGRAM_IN_SHARED), False, True,
         ),
         "top_p_candidates": (
             ts._candidates_kernel, tk.FORWARD_BLOCKS, valid,
