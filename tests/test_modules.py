@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
+from lmloss.profiling import LiveTensorTracker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,3 +76,33 @@ def test_modules_hold_no_parameters_show_their_options_and_check_them_at_constru
         lmloss.CrossEntropyLoss(shift=1)
     with pytest.raises(TypeError):
         lmloss.CrossEntropyLoss(-100)  # keyword-only options
+    with pytest.raises(ValueError, match="memory_budget_mib"):
+        lmloss.LinearCrossEntropyLoss(memory_budget_mib=0)
+
+
+def test_a_modules_memory_budget_reaches_the_op():
+    # a bf16 head below its fp32 [V, H] accumulator's size takes the weight pass: no accumulator held
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(500, 32, generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, 500, (64,), generator=g)
+    accumulator = 500 * 32 * 4
+    largest = {}
+    for budget in (None, 0.03):
+        loss_fn = lmloss.LinearCrossEntropyLoss(memory_budget_mib=budget)
+        with _Largest() as tracker:
+            loss_fn(h, w, y).backward()
+        largest[budget] = tracker.largest
+    assert largest[None] >= accumulator > largest[0.03]
+    assert "memory_budget_mib=0.03" in repr(lmloss.LinearCrossEntropyLoss(memory_budget_mib=0.03))
+
+
+class _Largest(LiveTensorTracker):
+    """The tracker, also remembering the largest single allocation seen in the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def on_live_change(self, delta: int, op: str | None) -> None:
+        self.largest = max(self.largest, delta)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lmloss import _validate
+from lmloss.chunks import check_memory_budget
 from lmloss.fused import linear_cross_entropy
 from lmloss.logits import cross_entropy
 from lmloss.packing import shift_labels
@@ -46,6 +47,7 @@ class _Loss(nn.Module):
         _validate.check_temperature(options["temperature"])
         _validate.check_softcap(options["softcap"])
         _validate.check_chunk_size(options["chunk_size"])
+        check_memory_budget(options["memory_budget_mib"])
         self.shift = shift
         self.options = options
 
@@ -91,12 +93,13 @@ class CrossEntropyLoss(_Loss):
         mean_group: Any = None,
         inplace_backward: bool = False,
         impl: str = "auto",
+        memory_budget_mib: float | None = None,
     ) -> None:
         options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
             temperature=temperature, softcap=softcap, chunk_size=chunk_size, vocab_size=vocab_size,
             tp_group=tp_group, vocab_start=vocab_start, mean_group=mean_group,
-            inplace_backward=inplace_backward, impl=impl,
+            inplace_backward=inplace_backward, impl=impl, memory_budget_mib=memory_budget_mib,
         )  # fmt: skip
         super().__init__(shift, options)
 
@@ -136,12 +139,14 @@ class LinearCrossEntropyLoss(_Loss):
         mean_group: Any = None,
         weight_grad_dtype: torch.dtype = torch.float32,
         impl: str = "auto",
+        memory_budget_mib: float | None = None,
     ) -> None:
         options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
             temperature=temperature, softcap=softcap, chunk_size=chunk_size, vocab_size=vocab_size,
             tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
             mean_group=mean_group, weight_grad_dtype=weight_grad_dtype, impl=impl,
+            memory_budget_mib=memory_budget_mib,
         )  # fmt: skip
         super().__init__(shift, options)
 

@@ -615,6 +615,7 @@ def token_logprobs(
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     invariant: bool = False,
+    memory_budget_mib: float | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropy) of a causal LM's own tokens, without logits: RL scoring.
@@ -637,8 +638,8 @@ def token_logprobs(
         attention_mask: ``[B, S]`` passed to the model (padding).
         temperature: the model's logits (after its softcap and multipliers, if any) are divided by it.
         return_entropy: also return the entropy of each position's next-token distribution.
-        chunk_size, top_k, top_p, min_p, invariant: `lmloss.linear_token_logprobs`' arguments (the
-            sampling parameters: one value for the call).
+        chunk_size, top_k, top_p, min_p, invariant, memory_budget_mib: `lmloss.linear_token_logprobs`'
+            arguments (the sampling parameters: one value for the call).
         model_kwargs: more keyword arguments for the decoder body (e.g. ``position_ids``).
 
     Returns:
@@ -661,7 +662,9 @@ def token_logprobs(
         )
     if attention_mask is not None:
         model_kwargs["attention_mask"] = attention_mask
-    op_options = dict(chunk_size=chunk_size, top_k=top_k, top_p=top_p, min_p=min_p, invariant=invariant)
+    check_memory_budget(memory_budget_mib)
+    op_options = dict(chunk_size=chunk_size, top_k=top_k, top_p=top_p, min_p=min_p, invariant=invariant,
+                      memory_budget_mib=memory_budget_mib)  # fmt: skip
     out = call_through(
         model, _score, input_ids, labels, temperature=temperature, return_entropy=return_entropy,
         ignore_index=ignore_index, op_options=op_options, model_kwargs=model_kwargs,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf
 
 __all__ = ["generation_truncation", "is_patched", "patch", "unpatch"]
@@ -118,6 +119,7 @@ def patch(
     chunk_size: int | str | None = "auto",
     sampler_truncation: bool = False,
     invariant: bool = False,
+    memory_budget_mib: float | None = None,
 ) -> Any:
     """Make `trainer` (a ``trl.GRPOTrainer``) compute its per-token log-probs and entropies with lmloss's fused
     head. Returns the trainer.
@@ -129,6 +131,8 @@ def patch(
             (`generation_truncation`), the distribution the completions were sampled from; False (TRL's
             own choice): the full softmax at the temperature.
         invariant: lmloss's batch-invariant head (docs/invariant.md).
+        memory_budget_mib: what the fused head may hold beyond its inputs and their gradients (MiB; None:
+            ``LMLOSS_CHUNK_BUDGET_MIB`` or the device's default).
 
     Raises:
         TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
@@ -146,7 +150,8 @@ def patch(
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             hf.head_transform(trainer.accelerator.unwrap_model(model))
-    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant))
+    check_memory_budget(memory_budget_mib)
+    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant), memory_budget_mib=memory_budget_mib)
     if sampler_truncation:
         options.update(generation_truncation(trainer))
     setattr(trainer, _STATE_ATTR, {"original": original, "options": options})
