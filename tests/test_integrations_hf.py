@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import lmloss  # noqa: E402
 from lmloss.integrations import hf  # noqa: E402
-from lmloss.profiling import LiveTensorTracker  # noqa: E402
+from tracking_support import LargestAllocation  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -363,17 +363,6 @@ def test_models_whose_loss_the_patch_would_not_reproduce_are_refused_naming_clas
         hf.patch(router)
 
 
-class _LargestAllocation(LiveTensorTracker):
-    """The tracker, also remembering the largest single allocation (its `delta`) seen in the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def on_live_change(self, delta: int, op: str | None) -> None:
-        self.largest = max(self.largest, delta)
-
-
 def test_patched_forward_and_backward_allocate_no_tokens_by_vocab_tensor():
     vocab = 4096
     reference = tiny_model("llama", vocab=vocab)
@@ -383,7 +372,7 @@ def test_patched_forward_and_backward_allocate_no_tokens_by_vocab_tensor():
     logits_bytes = B * seq * vocab * 4  # one fp32 [tokens, vocab] tensor
     measured = {}
     for name, model in (("reference", reference), ("patched", patched)):
-        with _LargestAllocation() as tracker:
+        with LargestAllocation() as tracker:
             model(ids, attention_mask=mask, labels=labels).loss.backward()
         measured[name] = tracker
     assert measured["reference"].largest >= logits_bytes  # the check can see a logits tensor
@@ -403,7 +392,7 @@ def test_a_memory_budget_below_the_heads_fp32_accumulator_holds_none_and_gives_t
     results = {}
     for name, budget in (("default", None), ("budget", 0.25)):
         model = hf.patch(copy.deepcopy(reference), memory_budget_mib=budget)
-        with _LargestAllocation() as tracker:
+        with LargestAllocation() as tracker:
             out, grads = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
         results[name] = out.loss, grads, tracker.largest
     assert results["default"][2] >= accumulator  # the tracker sees the default's fp32 accumulator

@@ -33,8 +33,8 @@ transformers = pytest.importorskip("transformers")
 
 import lmloss  # noqa: E402
 import verl_support  # noqa: E402
-from lmloss.profiling import LiveTensorTracker  # noqa: E402
 from lmloss.sampling import KeptSetWarning  # noqa: E402
+from tracking_support import LargestAllocation  # noqa: E402
 
 verl = verl_support.load()
 patching = verl_support.load_model_patch()
@@ -203,7 +203,7 @@ def test_no_tokens_by_vocab_tensor_is_allocated(verl_env):
     torch_forward = patching.dense_common.forward_with_torch_backend
     largest = {}
     for name, forward in (("torch", lambda: torch_forward(reference, **kw)), ("lmloss", lambda: model(**kw))):
-        tracker = _LargestAllocation()
+        tracker = LargestAllocation()
         with tracker:
             out = forward()
             (out.log_probs.sum() + out.entropy.sum()).backward()
@@ -211,15 +211,6 @@ def test_no_tokens_by_vocab_tensor_is_allocated(verl_env):
     assert largest["torch"] >= logits_bytes  # the tracker sees verl's [tokens, vocab] logits
     # lmloss's largest: the [vocab, hidden] fp32 weight (and embedding) gradients; an [8, vocab] chunk is less
     assert largest["lmloss"] <= vocab * hidden * 4 < logits_bytes / 3
-
-
-class _LargestAllocation(LiveTensorTracker):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def on_live_change(self, delta: int, op: str | None) -> None:
-        self.largest = max(self.largest, delta)
 
 
 def _greedy_tokens(model, n: int, prompt: int = 3) -> torch.Tensor:

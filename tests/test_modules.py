@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss
-from lmloss.profiling import LiveTensorTracker
+from tracking_support import LargestAllocation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,19 +90,9 @@ def test_a_modules_memory_budget_reaches_the_op():
     largest = {}
     for budget in (None, 0.03):
         loss_fn = lmloss.LinearCrossEntropyLoss(memory_budget_mib=budget)
-        with _Largest() as tracker:
+        with LargestAllocation() as tracker:
             loss_fn(h, w, y).backward()
         largest[budget] = tracker.largest
     assert largest[None] >= accumulator > largest[0.03]
     assert "memory_budget_mib=0.03" in repr(lmloss.LinearCrossEntropyLoss(memory_budget_mib=0.03))
 
-
-class _Largest(LiveTensorTracker):
-    """The tracker, also remembering the largest single allocation seen in the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def on_live_change(self, delta: int, op: str | None) -> None:
-        self.largest = max(self.largest, delta)

@@ -13,8 +13,8 @@ each on a fresh model with the same seed (one at a time, so each peak is its own
 * ``unpatched``: transformers' own loss over ``[tokens, vocab]`` logits;
 * ``lmloss``: `lmloss.integrations.hf.patch(model)` at the default memory budget, and at smaller budgets
   (``memory_budget_mib=``, below the ``[V, H]`` fp32 weight-gradient accumulator's 1002 MiB: the weight pass);
-* ``lmloss bf16 dW``: ``patch(model, weight_grad_dtype=torch.bfloat16)``: the weight gradient accumulated in
-  bf16 over the chunks (as Liger does), no fp32 accumulator;
+* ``lmloss bf16 dW``: ``patch(model, weight_grad_dtype=torch.bfloat16)`` (and at the smaller budgets): the
+  weight gradient accumulated in bf16 over the chunks (Liger's precision), no fp32 accumulator;
 * ``liger``: Liger-Kernel's fused linear cross-entropy on this instance (``apply_liger_kernel_to_llama(
   fused_linear_cross_entropy=True, model=...)``, its other kernels off: only the head differs).
 
@@ -113,7 +113,11 @@ def hf_variants(budgets):
         name = "lmloss" if budget is None else f"lmloss @{budget:g} MiB"
         variants[name] = lambda m, b=budget: lmloss.integrations.hf.patch(m, memory_budget_mib=b)
     # Liger's precision and memory: the weight gradient accumulated in bf16 (no fp32 [V, H] accumulator)
-    variants["lmloss bf16 dW"] = lambda m: lmloss.integrations.hf.patch(m, weight_grad_dtype=torch.bfloat16)
+    for budget in [None, *budgets]:
+        name = "lmloss bf16 dW" if budget is None else f"lmloss bf16 dW @{budget:g} MiB"
+        variants[name] = lambda m, b=budget: lmloss.integrations.hf.patch(
+            m, weight_grad_dtype=torch.bfloat16, memory_budget_mib=b
+        )
     variants["liger"] = liger
     return variants
 
