@@ -377,6 +377,22 @@ def test_a_memory_budget_that_is_not_a_positive_number_of_mib_is_refused_naming_
         assert name  # every op refuses it
 
 
+@pytest.mark.parametrize("budget", [1e308, 10**400, 2.0**70], ids=["1e308", "10**400", "2**70"])
+def test_a_huge_memory_budget_is_taken_as_the_largest_one(budget, monkeypatch):
+    # 1e308 MiB is inf bytes: its rows per chunk were NaN ("cannot convert float NaN to integer"), and 10**400
+    # overflowed float(); both are now the largest budget, as is the same in LMLOSS_CHUNK_BUDGET_MIB
+    want = {name: call() for name, call in _every_op(None).items()}
+    for name, call in _every_op(budget).items():
+        torch.testing.assert_close(call(), want[name], msg=name)
+    monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "1e308")
+    for name, call in _every_op(None).items():
+        torch.testing.assert_close(call(), want[name], msg=name)
+    h = torch.randn(6, 4, dtype=torch.bfloat16, requires_grad=True)  # a bf16 head's schedule at that budget
+    w = torch.randn(10, 4, dtype=torch.bfloat16, requires_grad=True)
+    lmloss.linear_cross_entropy(h, w, torch.tensor([1, 2, -100, 3, 4, 5]), memory_budget_mib=budget).backward()
+    assert torch.isfinite(w.grad.float()).all()
+
+
 def test_memory_budget_mib_wins_over_the_environment(monkeypatch):
     hidden, weight, labels, _, _ = _budget_inputs()
     monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "64")

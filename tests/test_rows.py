@@ -346,3 +346,30 @@ def test_linear_policy_loss_mask_of_another_shape_is_refused_naming_it():
     n = labels.shape[0]
     with pytest.raises(ValueError, match="mask"):
         rl.linear_policy_loss(hidden, weight, labels, torch.zeros(n), torch.zeros(n), mask=torch.ones(n - 1))
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_token_logprobs", "linear_policy_loss"])
+def test_a_non_finite_hidden_row_that_does_not_count_reaches_no_gradient_when_compiled(op):
+    # torch.compile walks every row and masks those that do not count; their hidden rows still reached the
+    # weight gradient (d-logits 0 times an inf / NaN hidden row: NaN in every column), which eager never computes
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(96, 16, generator=g), torch.randn(64, 16, generator=g) * 0.3
+    labels = torch.randint(0, 64, (96,), generator=g)
+    labels[10:30] = -100
+    hidden[10:20], hidden[25] = float("nan"), float("inf")
+    calls = {
+        "linear_cross_entropy": lambda h, w: lmloss.linear_cross_entropy(h, w, labels, reduction="none"),
+        "linear_token_logprobs": lambda h, w: lmloss.linear_token_logprobs(h, w, labels),
+        "linear_policy_loss": lambda h, w: rl.linear_policy_loss(
+            h, w, labels, -torch.ones(96), torch.linspace(-1, 1, 96)
+        )[0],
+    }
+    results = []
+    for fn in (calls[op], torch.compile(calls[op], backend="eager")):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(h, w)
+        results.append((out, *torch.autograd.grad(out.sum(), [h, w])))
+    for eager, compiled in zip(*results):
+        assert torch.isfinite(compiled).all()
+        torch.testing.assert_close(compiled, eager)
+    assert not results[1][1][10:30].any()  # the hidden gradient's rows that do not count: exactly 0

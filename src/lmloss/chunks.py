@@ -33,6 +33,9 @@ from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, re
 #: CUDA's covers a 128k x 4k bf16 head's fp32 weight-gradient accumulator (2 GiB) beside one chunk of 8192
 #: tokens: at that shape the fastest schedule; a smaller budget, or a larger head, takes the weight pass.
 DEFAULT_CHUNK_BUDGET_MIB = {"cpu": 64, "cuda": 4096}
+#: A larger budget is taken as this one (1 EiB: more than any device holds), so that its bytes stay finite
+#: (``1e308`` MiB is ``inf`` bytes, whose rows per chunk are NaN).
+MAX_CHUNK_BUDGET_MIB = float(2**40)
 
 
 def check_memory_budget(memory_budget_mib: object) -> None:
@@ -46,12 +49,12 @@ def check_memory_budget(memory_budget_mib: object) -> None:
 
 def chunk_budget_mib(device: torch.device | str = "cpu", memory_budget_mib: float | None = None) -> float:
     """The op's memory budget in MiB: `memory_budget_mib` if given, else ``LMLOSS_CHUNK_BUDGET_MIB`` if set (a
-    positive number), else `DEFAULT_CHUNK_BUDGET_MIB` for the device type. Read before the TP ranks'
+    positive number), else `DEFAULT_CHUNK_BUDGET_MIB` for the device type; at most `MAX_CHUNK_BUDGET_MIB`. Read before the TP ranks'
     agreement gather, which carries it: ranks with different budgets would cut different chunks and issue
     different collectives."""
     if memory_budget_mib is not None:
         check_memory_budget(memory_budget_mib)
-        return float(memory_budget_mib)
+        return float(min(memory_budget_mib, MAX_CHUNK_BUDGET_MIB))
     text = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
     if text is None:
         return float(DEFAULT_CHUNK_BUDGET_MIB.get(torch.device(device).type, 96))
@@ -61,7 +64,7 @@ def chunk_budget_mib(device: torch.device | str = "cpu", memory_budget_mib: floa
         budget = math.nan
     if not 0 < budget < math.inf:
         raise ValueError(f"LMLOSS_CHUNK_BUDGET_MIB must be a positive number of MiB, got {text!r}")
-    return budget
+    return min(budget, MAX_CHUNK_BUDGET_MIB)
 
 
 def auto_chunk_size(
