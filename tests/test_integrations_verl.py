@@ -381,6 +381,7 @@ def test_backend_strings_and_options_are_checked():
         ("lmloss:impl=cuda", "impl must be one of"),
         ("lmloss:chunk_size=0", "chunk_size must be"),
         ("lmloss:memory_budget_mib=0", "memory_budget_mib must be"),
+        ("lmloss:top_p=0.9,top_p=0.95", "top_p is given twice"),
         ("lmloss:memory_budget_mib=lots", "memory_budget_mib='lots'"),
         ("liger", "not lmloss's"),
     ]:
@@ -524,6 +525,22 @@ def test_geo_mean_with_verls_bool_mask():
     # verl adds its 1e-8 to the integer count of a bool mask in float32, where it rounds away
     want, got = both("geo_mean", "token-mean", actor_config("geo_mean"), *rollout_batch())
     assert_equal_losses(got, want)
+
+
+def test_a_call_without_a_valid_token_gives_verls_nan_or_zero_and_its_gradient():
+    # verl's one-process agg_loss divides by the call's count: 0 / 0 = NaN (token-sum: 0), the gradient 0;
+    # with the global counts, its global denominators
+    lp, old, adv, mask = rollout_batch()
+    mask = torch.zeros_like(mask)
+    for mode in ACTOR:
+        for agg in AGG_MODES:
+            for global_batch in (None, GLOBAL_BATCH):
+                want, got = both(mode, agg, actor_config(mode, global_batch), lp, old, adv, mask)
+                torch.testing.assert_close(got[0], want[0], equal_nan=True, **EXACT, msg=f"{mode} {agg}")
+                torch.testing.assert_close(got[2], want[2], **EXACT)
+                assert got[1] == want[1]
+                if global_batch is None and mode != "geo_mean" and (agg != "token-sum" or mode == "sapo"):
+                    assert want[0].isnan()  # the case is verl's NaN
 
 
 @pytest.mark.parametrize("mode", list(ACTOR))

@@ -205,6 +205,8 @@ def backend_options(spec: str) -> HeadOptions:
             raise ValueError(
                 f"fused_kernels_backend {spec!r}: {item!r} is not key=value with a key in {sorted(fields)}"
             )
+        if key in options:
+            raise ValueError(f"fused_kernels_backend {spec!r}: {key} is given twice")
         low = raw.lower()
         try:
             if key == "top_k":
@@ -518,6 +520,10 @@ def _policy_loss(
         log_prob, old_log_prob, advantages, response_mask, loss_mode=loss_mode, token_weights=weights,
         rollout_is_weights=rollout_is_weights, **options,
     )  # fmt: skip
+    if not bool(torch.isfinite(weights).all()):
+        # a denominator of 0 (a call without a valid token and no global counts): verl's agg_loss gives
+        # 0 / 0 = NaN, with a gradient of 0; lmloss.rl would give 0
+        loss = loss + float("nan")
     return loss, _verl_metrics(loss_mode, metrics, log_prob, old_log_prob, mask)
 
 
