@@ -133,19 +133,16 @@ class RowSelection:
         gaps_start = torch.cat([torch.zeros(1, dtype=torch.int64), self.ends])
         gaps_end = torch.cat([self.starts, torch.full((1,), self.n, dtype=torch.int64)])
         skipped = gaps_end > gaps_start
-        if (
-            chunk_rows is not None
-        ):  # inner gaps shorter than min_gap are computed; the first and last never are
-            inner = torch.zeros_like(skipped)
-            inner[1:-1] = True
-            skipped &= ~inner | (gaps_end - gaps_start >= min_gap(t.device, max(chunk_rows, 1)))
-        gaps = skipped.nonzero().squeeze(1)
-        if gaps.numel() > (MIN_GAP if t.device.type == "cpu" else 2):  # many gaps (a GPU: launches): one fill
-            rows = torch.cat(
-                [torch.arange(a, b) for a, b in zip(gaps_start[gaps].tolist(), gaps_end[gaps].tolist())]
-            )
+        if chunk_rows is not None:  # a slice computes inner gaps shorter than min_gap; the first and last never
+            skipped[1:-1] &= gaps_end[1:-1] - gaps_start[1:-1] >= min_gap(t.device, max(chunk_rows, 1))
+        starts, ends = gaps_start[skipped], gaps_end[skipped]
+        if starts.numel() > (MIN_GAP if t.device.type == "cpu" else 2):  # many gaps (a GPU: launches): one fill
+            edges = torch.zeros(self.n + 1, dtype=torch.int64)  # +1 where a gap starts, -1 where it ends
+            edges.index_add_(0, starts, torch.ones_like(starts))
+            edges.index_add_(0, ends, -torch.ones_like(ends))
+            rows = edges[:-1].cumsum(0).nonzero().squeeze(1)
             return t.index_fill_(0, rows.to(t.device), 0)
-        for a, b in zip(gaps_start[gaps].tolist(), gaps_end[gaps].tolist()):
+        for a, b in zip(starts.tolist(), ends.tolist()):
             t[a:b].zero_()
         return t
 
