@@ -67,14 +67,28 @@ def bins_of(x, k2, shift2, MODE: tl.constexpr, FAST: tl.constexpr):
     k2 = scale * log2(e), shift2 = shift * log2(e) (one FFMA, one ex2)."""
     if MODE == 0:
         bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(
-            bits < 0, bits ^ 0x7FFFFFFF, bits
-        )  # order-preserving: signed compares of keys = of floats
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving: signed compares of keys = of floats
         return (key >> 21) + 1024, x
     else:
         e = fast_exp2(x * k2 - shift2, FAST)
         b = (e.to(tl.int32, bitcast=True) >> 18) - 2016
         return tl.minimum(tl.maximum(b, 0), 2047), e
+
+
+@triton.jit
+def _count_block(x, inside, counts, counts_row, mass, k2, shift2, MODE: tl.constexpr, NB: tl.constexpr,
+                 FAST: tl.constexpr, SHARED: tl.constexpr):  # fmt: skip
+    """A block of a row into its histogram (`_histogram_kernel`): the bins of the columns `inside` counted,
+    by tl.histogram into `counts` (SHARED) or by relaxed atomics into the row's bins at `counts_row`, and in
+    MODE_MASS their e summed into `mass`. Returns (counts, mass)."""
+    b, e = bins_of(x, k2, shift2, MODE, FAST)
+    if SHARED:
+        counts += tl.histogram(b, NB, mask=inside)
+    else:
+        tl.atomic_add(counts_row + b, 1, mask=inside, sem="relaxed")
+    if MODE == 1:
+        mass += tl.where(inside, e, 0.0)
+    return counts, mass
 
 
 # Contract: see the module docstring (`histogram`). One program per row; columns [0, valid) of x are vocabulary.
@@ -102,26 +116,13 @@ def _histogram_kernel(
     mass = tl.zeros([BLOCK_V], tl.float32)
     for k in range(0, n_main, BLOCK_V):
         x = tl.load(x_main + k + offs).to(tl.float32)
-        inside = x >= lo
-        b, e = bins_of(x, k2, shift2, MODE, FAST)
-        if SHARED:
-            counts += tl.histogram(b, NB, mask=inside)
-        else:
-            tl.atomic_add(counts_row + b, 1, mask=inside, sem="relaxed")
-        if MODE == 1:
-            mass += tl.where(inside, e, 0.0)
+        counts, mass = _count_block(x, x >= lo, counts, counts_row, mass, k2, shift2, MODE, NB, FAST, SHARED)
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         x = tl.load(x_ptr + row_start + edge_cols(j, head, n_main), mask=j < n_edge, other=0.0).to(tl.float32)
         inside = (j < n_edge) & (x >= lo)
-        b, e = bins_of(x, k2, shift2, MODE, FAST)
-        if SHARED:
-            counts += tl.histogram(b, NB, mask=inside)
-        else:
-            tl.atomic_add(counts_row + b, 1, mask=inside, sem="relaxed")
-        if MODE == 1:
-            mass += tl.where(inside, e, 0.0)
+        counts, mass = _count_block(x, inside, counts, counts_row, mass, k2, shift2, MODE, NB, FAST, SHARED)
     if SHARED:
         tl.store(counts_row + tl.arange(0, NB), counts)
     tl.store(mass_ptr + row, tl.sum(mass, 0))
