@@ -553,15 +553,23 @@ def patch(
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the model's forward is the one it had before (a no-op on an unpatched model)."""
-    state: _PatchState | None = model.__dict__.get(_STATE_ATTR)
+    restore_forward(model, _STATE_ATTR)
+    return model
+
+
+def restore_forward(model: torch.nn.Module, state_attr: str) -> Any:
+    """Undo an instance patch whose state ``model.<state_attr>`` keeps the ``instance_forward`` it replaced
+    (None: the class's): the forward the instance had before, the state removed. Returns the state, or None
+    (nothing done) where the instance holds none. `unpatch` here and in `lmloss.integrations.verl`."""
+    state = model.__dict__.get(state_attr)
     if state is None:
-        return model
+        return None
     if state.instance_forward is None:
         del model.forward
     else:
         model.forward = state.instance_forward
-    delattr(model, _STATE_ATTR)
-    return model
+    delattr(model, state_attr)
+    return state
 
 
 def is_patched(model: torch.nn.Module) -> bool:

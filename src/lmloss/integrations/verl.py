@@ -309,14 +309,8 @@ def patch(model: torch.nn.Module, options: HeadOptions | None = None, **kwargs: 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the forward the instance had before (a no-op on a model `patch` did not touch)."""
-    state: _PatchState | None = model.__dict__.get(_STATE_ATTR)
-    if state is None:
+    if hf.restore_forward(model, _STATE_ATTR) is None:
         return model
-    if state.instance_forward is None:
-        del model.forward
-    else:
-        model.forward = state.instance_forward
-    delattr(model, _STATE_ATTR)
     if model.__dict__.get("_verl_fused_kernels_backend") == BACKEND:
         del model._verl_fused_kernels_backend
     return model
