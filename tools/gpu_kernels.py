@@ -23,35 +23,11 @@ docs/kernels.md (`python -m lmloss.kernels.report`); none of them was timed befo
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
+from gpu_rounds import report, run_rounds
 
 import lmloss
-
-
-def _events(device):
-    if device.type == "cuda":
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    return None
-
-
-def _timed(step, device) -> float:
-    getattr(step, "prepare", lambda: None)()  # untimed: what the step consumes (the in-place row's logits)
-    ev = _events(device)
-    if ev is None:
-        start = time.perf_counter()
-        step()
-        return (time.perf_counter() - start) * 1e3
-    ev[0].record()
-    step()
-    ev[1].record()
-    torch.cuda.synchronize(device)
-    return ev[0].elapsed_time(ev[1])
-
 
 #: One ``[32768, 128256]`` input shared by the logits rows (8.4 GB in bf16, its gradient as much again), freed
 #: after their group.
@@ -197,46 +173,8 @@ def main() -> None:
     cases = _cases(device, args.tiny)
     names = list(cases) if not args.case else [c for c in cases if c in args.case or any(
         cases[k][1] == c for k in args.case if k in cases)]  # fmt: skip
-    samples: dict[str, list[float]] = {c: [] for c in names}
-    # groups of a baseline and the rows against it, so that each group's tensors live together and then go
-    for base in [c for c in names if cases[c][1] is None]:
-        group = [base] + [c for c in names if cases[c][1] == base]
-        steps = {}
-        for c in group:
-            try:
-                steps[c] = cases[c][0]()
-                _timed(steps[c], device)  # warm-up: compiles the kernels
-            except Exception as exc:  # noqa: BLE001 - report it and go on with the other rows
-                print(f"{c}: {type(exc).__name__}: {exc}", flush=True)
-                steps.pop(c, None)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        for r in range(args.rounds):
-            order = list(steps) if r % 2 == 0 else list(reversed(steps))
-            for c in order:
-                samples[c].append(_timed(steps[c], device))
-        del steps
-        _SHARED.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    rows = []
-    print(f"{'case':<34} {'ms':>9} {'baseline':>26} {'ratio':>7} {'target':>7}  met")
-    for c in names:
-        if not samples[c]:
-            continue
-        ms = statistics.median(samples[c])
-        base, target = cases[c][1], cases[c][2]
-        ratio = ms / statistics.median(samples[base]) if base and samples.get(base) else None
-        met = None if ratio is None or target is None else ratio <= target
-        rows.append(dict(case=c, ms=ms, samples=samples[c], baseline=base, ratio=ratio, target=target, met=met))
-        print(f"{c:<34} {ms:>9.3f} {base or '':>26} {'' if ratio is None else f'{ratio:.2f}':>7} "
-              f"{'' if target is None else f'{target:.2f}':>7}  {'' if met is None else ('yes' if met else 'NO')}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    torch=torch.__version__, rounds=args.rounds, tiny=args.tiny)  # fmt: skip
-        with open(os.path.join(args.out, "kernels33.json"), "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    samples = run_rounds(cases, names, device, args.rounds, after_group=_SHARED.clear)
+    report(cases, samples, device, args, "kernels33.json")
 
 
 if __name__ == "__main__":

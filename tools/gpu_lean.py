@@ -14,27 +14,11 @@ Cut Cross-Entropy) are `lmloss bench --budget`'s, which gpu_check.sh runs next t
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
+from gpu_rounds import report, run_rounds
 
 import lmloss
-
-
-def _timed(step, device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        step()
-        return (time.perf_counter() - start) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    step()
-    end.record()
-    torch.cuda.synchronize(device)
-    return begin.elapsed_time(end)
 
 
 def _labels(n: int, v: int, g: torch.Generator, half_ignored: bool) -> torch.Tensor:
@@ -102,40 +86,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     cases = _cases(device, args.tiny)
-    samples: dict[str, list[float]] = {c: [] for c in cases}
-    for base in [c for c in cases if cases[c][1] is None]:  # each pair's tensors live together, then go
-        group = [base] + [c for c in cases if cases[c][1] == base]
-        steps = {}
-        for c in group:
-            try:
-                steps[c] = cases[c][0]()
-                steps[c]()  # warm-up: compiles the kernels
-            except Exception as exc:  # noqa: BLE001 - report it and go on with the other rows
-                print(f"{c}: {type(exc).__name__}: {exc}", flush=True)
-                steps.pop(c, None)
-        for r in range(args.rounds):
-            for c in steps if r % 2 == 0 else list(reversed(steps)):
-                samples[c].append(_timed(steps[c], device))
-        del steps
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    rows = []
-    print(f"{'case':<36} {'ms':>9} {'ratio':>7} {'target':>7}  met")
-    for c, (_, base, target) in cases.items():
-        if not samples[c]:
-            continue
-        ms = statistics.median(samples[c])
-        ratio = ms / statistics.median(samples[base]) if base and samples[base] else None
-        met = None if ratio is None else ratio <= target
-        rows.append(dict(case=c, ms=ms, samples=samples[c], baseline=base, ratio=ratio, target=target, met=met))
-        print(f"{c:<36} {ms:>9.3f} {'' if ratio is None else f'{ratio:.2f}':>7} "
-              f"{'' if target is None else f'{target:.2f}':>7}  {'' if met is None else ('yes' if met else 'NO')}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    torch=torch.__version__, rounds=args.rounds, tiny=args.tiny)  # fmt: skip
-        with open(os.path.join(args.out, "lean31.json"), "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    samples = run_rounds(cases, list(cases), device, args.rounds)
+    report(cases, samples, device, args, "lean31.json")
 
 
 if __name__ == "__main__":
