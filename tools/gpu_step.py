@@ -122,40 +122,56 @@ def hf_variants(budgets):
     return variants
 
 
-def hf_step(args, device, dtype) -> dict:
-    config = _config(args.tiny)
+def _batch(config, args, device) -> torch.Tensor:
     b, t = (4, 4096) if not args.tiny else (2, 128)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (b, t), generator=g).to(device)
-    variants = hf_variants([None, *args.budgets])
+    return torch.randint(0, config.vocab_size, (b, t), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _measure(variants: dict, args, device, value: str) -> dict:
+    """Each variant's ``make() -> step`` (a fresh model each time), `args.passes` passes over the variants in
+    turn: every timed step's ms, each pass's median, peak and the step's returned `value`. A variant that fails
+    (a peer's import) is recorded with its error; the others are measured."""
     rows: dict[str, dict] = {}
     for p in range(args.passes):
-        for name, prepare in variants.items():
-            row = rows.setdefault(name, {"ms": [], "pass_median_ms": [], "peak_mib": [], "loss": []})
+        for name, make in variants.items():
+            row = rows.setdefault(name, {"ms": [], "pass_median_ms": [], "peak_mib": [], value: []})
+            step = None
             try:
-                model = prepare(_model(config, device, dtype))
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-
-                def step(model=model, opt=opt):
-                    loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    return loss.detach()
-
-                times, peak, loss = _time_steps(step, device, args.warm, args.steps)
+                step = make()
+                times, peak, result = _time_steps(step, device, args.warm, args.steps)
                 row["ms"] += times
                 row["pass_median_ms"].append(statistics.median(times))
                 row["peak_mib"].append(peak)
-                row["loss"].append(loss)
-            except Exception as e:  # one variant failing (a peer's import) leaves the others measured
+                row[value].append(result)
+            except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
             finally:
-                model = opt = step = None
+                step = None  # the model and its optimizer go with it
                 _free(device)
-            print(f"pass {p} {name}: {row.get('pass_median_ms', [])[-1:]} ms peak {row['peak_mib'][-1:]} "
+            print(f"pass {p} {name}: {row['pass_median_ms'][-1:]} ms peak {row['peak_mib'][-1:]} "
                   f"{row.get('error', '')}", flush=True)  # fmt: skip
     return rows
+
+
+def hf_step(args, device, dtype) -> dict:
+    config = _config(args.tiny)
+    ids = _batch(config, args, device)
+
+    def make(prepare):
+        model = prepare(_model(config, device, dtype))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    variants = hf_variants([None, *args.budgets])
+    return _measure({name: lambda p=prepare: make(p) for name, prepare in variants.items()}, args, device, "loss")
 
 
 def verl_step(args, device, dtype) -> dict:
@@ -165,42 +181,26 @@ def verl_step(args, device, dtype) -> dict:
     patching = verl_support.load_model_patch()
     patching.monkey_patch.is_trl_available = lambda: False  # verl's TRL import needs a class TRL 1.16 dropped
     config = _config(args.tiny)
-    b, t = (4, 4096) if not args.tiny else (2, 128)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (b, t), generator=g).to(device)
+    ids = _batch(config, args, device)
     mask = torch.ones_like(ids)
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1), use_cache=False,
               temperature=1.0, return_dict=True)  # fmt: skip
-    rows: dict[str, dict] = {}
-    for p in range(args.passes):
-        for backend in ("torch", "lmloss", *(f"lmloss:memory_budget_mib={b:g}" for b in args.budgets)):
-            row = rows.setdefault(
-                backend, {"ms": [], "pass_median_ms": [], "peak_mib": [], "log_prob_sum": []}
-            )
-            try:
-                model = _model(config, device, dtype)
-                patching.monkey_patch.apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
-                                                         fused_kernels_backend=backend)  # fmt: skip
 
-                def step(model=model):
-                    out = model(**kw)
-                    (out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()
-                    model.zero_grad(set_to_none=True)
-                    return out.log_probs.detach().double().sum()
+    def make(backend):
+        model = _model(config, device, dtype)
+        patching.monkey_patch.apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                                                 fused_kernels_backend=backend)  # fmt: skip
 
-                times, peak, total = _time_steps(step, device, args.warm, args.steps)
-                row["ms"] += times
-                row["pass_median_ms"].append(statistics.median(times))
-                row["peak_mib"].append(peak)
-                row["log_prob_sum"].append(total)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
-            finally:
-                model = step = None
-                _free(device)
-            print(f"pass {p} verl {backend}: {row.get('pass_median_ms', [])[-1:]} ms peak {row['peak_mib'][-1:]} "
-                  f"{row.get('error', '')}", flush=True)  # fmt: skip
-    return rows
+        def step():
+            out = model(**kw)
+            (out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()
+            model.zero_grad(set_to_none=True)
+            return out.log_probs.detach().double().sum()
+
+        return step
+
+    backends = ("torch", "lmloss", *(f"lmloss:memory_budget_mib={b:g}" for b in args.budgets))
+    return _measure({b: lambda b=b: make(b) for b in backends}, args, device, "log_prob_sum")
 
 
 def _summary(rows: dict, base: str) -> None:
