@@ -22,10 +22,8 @@ docs/kernels.md (`python -m lmloss.kernels.report`); none of them was timed befo
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from gpu_rounds import report, run_rounds
+from gpu_rounds import parser, report, run_rounds
 
 import lmloss
 
@@ -162,11 +160,7 @@ def _cases(device, tiny: bool):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="small shapes (a dry run of the script)")
+    p = parser(__doc__)
     p.add_argument("--case", action="append", help="only these cases (and their baselines)")
     args = p.parse_args()
     device = torch.device(args.device)

@@ -13,10 +13,8 @@ Cut Cross-Entropy) are `lmloss bench --budget`'s, which gpu_check.sh runs next t
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from gpu_rounds import report, run_rounds
+from gpu_rounds import parser, report, run_rounds
 
 import lmloss
 
@@ -78,11 +76,7 @@ def _cases(device: torch.device, tiny: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="small shapes (a dry run of the script)")
+    p = parser(__doc__)
     args = p.parse_args()
     device = torch.device(args.device)
     cases = _cases(device, args.tiny)

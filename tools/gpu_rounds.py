@@ -7,12 +7,23 @@ each timing (what the step consumes, e.g. the in-place row's logits).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import time
 
 import torch
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The scripts' common arguments: --device, --out, --rounds, --tiny (small shapes: a dry run)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="small shapes (a dry run of the script)")
+    return p
 
 
 def timed(step, device: torch.device) -> float:
