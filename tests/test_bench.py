@@ -490,6 +490,47 @@ def test_timed_rounds_come_after_the_warm_up_rounds_and_interleave_the_rows(monk
     assert by["c"].spread == pytest.approx((33 - 31) / 2 / 32) and "noisy" not in by["c"].note
 
 
+def test_a_cycle_a_run_leaves_is_collected_before_the_next_row_and_the_collector_is_left_as_found(monkeypatch):
+    import gc
+    import weakref
+
+    class Node:  # a reference cycle, as an autograd ctx holding its own output makes
+        def __init__(self) -> None:
+            self.me = self
+
+    left: list[weakref.ref] = []
+    seen: list[list[bool]] = []  # at each call of the row after it: which cycles are alive
+
+    def leaves_a_cycle(x):
+        left.append(weakref.ref(Node()))
+        return torch.tensor(1.0)
+
+    def looks(x):
+        seen.append([r() is not None for r in left])
+        return torch.tensor(1.0)
+
+    case = Case("logits", 8, 16, "float32", "cpu")
+    impls = [Impl("cycle", "-", leaves_a_cycle, is_reference=True), Impl("after", "-", looks)]
+    older = Node()  # alive before the case: frozen while it runs, back in the collector's sight after
+    gc.disable()  # no automatic collection: only the sweep's own can have freed the cycles
+    try:
+        assert gc.get_freeze_count() == 0
+        run_case(case, impls, _config(warmup=0, repeats=1))
+        assert gc.get_freeze_count() == 0
+        gc.collect()  # (the first case's timed run left a cycle: a freeze would keep it)
+        gc.freeze()  # a caller's own freeze is kept as it is
+        frozen = gc.get_freeze_count()
+        run_case(case, impls, _config(warmup=0, repeats=1))
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    # each case: the tracked run of each row, then one timed round (no collection between timed runs)
+    tracked_first_case, tracked_second_case = seen[0], seen[2]
+    assert tracked_first_case == [False] and tracked_second_case == [False, False, False]
+    assert gc.is_tracked(older) and any(o is older for o in gc.get_objects(generation=2))
+
+
 def test_with_the_default_warm_up_a_cold_first_run_does_not_count(monkeypatch):
     import argparse
 
