@@ -254,6 +254,26 @@ def test_fused_tiles_that_overlap_at_the_ends_give_the_same_bits_for_every_split
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_linear_gives_a_row_alone_or_in_a_few_the_bits_of_a_whole_tile(dtype):
+    """`tiled_linear`'s rows after the whole R-row tiles (one transposed GEMM over the whole weight, its hidden
+    dimension split in `_CPU_GEMM_K` parts for fp32) get the bits the same rows get inside an R-row tile, over
+    a weight of several overlapping tiles and with a bias."""
+    from lmloss.chunks import tiled_linear
+
+    g = torch.Generator().manual_seed(21)
+    rows, cols = 16, 384
+    hidden = torch.randn(rows, 600, generator=g).to(dtype)  # fp32: three hidden parts (256, 256, 88)
+    weight = (torch.randn(1000, 600, generator=g) / 8).to(dtype)  # tiles at 0, 384 and 616 (overlapping)
+    bias = (torch.randn(1000, generator=g) * 0.1).to(dtype)
+    tile = tiled_linear(hidden, weight, bias, hidden.new_empty((rows, 1000)), (rows, cols))
+    for idx in ([3], [0, 7], list(range(5, 16)), list(range(16)) + [2, 9]):  # alone, a few, a tile and 2 after it
+        got = tiled_linear(hidden[idx], weight, bias, hidden.new_empty((len(idx), 1000)), (rows, cols))
+        assert torch.equal(got, tile[idx]), idx
+    ref = torch.addmm(bias.double(), hidden.double(), weight.double().T)
+    torch.testing.assert_close(tile.double(), ref, **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)))
+
+
 def test_fused_under_top_p_and_a_replayed_support_gives_the_same_bits_for_every_split():
     hidden, weight, _, _ = _head(torch.float32, seed=8)
     z = hidden.double() @ weight.double().T

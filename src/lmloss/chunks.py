@@ -216,11 +216,14 @@ def tiled_linear(
 
     CUDA: each tile is one ``[R, H] @ [H, Nb]`` GEMM, the rows in tiles of R too (zero-padded where c < R).
     CPU: fp32 sums the hidden dimension in chunks of `_CPU_GEMM_K` (one GEMM each, added in order); the whole R-row tiles
-    as ``[R, H] @ [H, Nb]``, and the rows after them (c < R included) as ``weight_tile @ hidden_rows.T`` for any
-    count of at least 2 rows (one row gets a zero row beside it): with this CPU's MKL both give a row the same
-    bits as an R-row tile, for fp32, bf16 and fp16, 1 or 2 threads (checked over H up to 4096, 2 to 127 rows and
-    tiles of 384 to 4096 weight rows), so a row alone costs about one pass over the weight instead of an
-    R-row GEMM. float64 (where the transposed form rounds differently) pads the rows to whole tiles."""
+    as ``[R, H] @ [H, Nb]``, and the rows after them (c < R included) as one ``weight @ hidden_rows.T`` over the
+    whole (padded) weight for any count of at least 2 rows (one row gets a zero row beside it): with this CPU's
+    MKL both give a row the same bits as an R-row tile, for fp32, bf16 and fp16, 1 or 2 threads (checked over H
+    up to 4096, 2 to 127 rows, tiles of 384 to 4096 weight rows and transposed GEMMs of 11 to 128256 weight rows;
+    fp32 GEMMs of 10 weight rows or fewer round differently, which the padding to Nb keeps out), so a row alone
+    costs about one pass over the weight instead of an R-row GEMM (one GEMM rather than one per tile: 1.2 against
+    1.5 ms at 32000 x 256 fp32, 2 threads). float64 (where the transposed form rounds differently) pads the rows
+    to whole tiles."""
     rows, cols = tile
     c, n = hidden.shape[0], weight.shape[0]
     if c == 0 or n == 0:
@@ -263,22 +266,14 @@ def tiled_linear(
                 if not direct:
                     r_n, c_n = min(rows, c - i), min(cols, n - j)
                     out[i : i + r_n, j : j + c_n] = dst[:r_n, :c_n]
-    if lone_rows:  # transposed: weight_tile [Nb, H] @ hidden_rows.T [H, r], r >= 2
+    if lone_rows:  # transposed, all of the (padded) weight in one GEMM: weight [N, H] @ hidden_rows.T [H, r], r >= 2
         lone = hidden[n_tiled:]
         if lone_rows == 1:
             lone = torch.cat([lone, lone.new_zeros((1, lone.shape[1]))])
-        lone_t = lone.t()
-        starts = _tile_starts(max(n, cols), cols)
-        acc = torch.empty((len(starts), cols, lone.shape[0]), dtype=out.dtype, device=out.device)
-        tmp_t = torch.empty_like(acc[0]) if len(k_parts) > 1 else None
-        for t, j in enumerate(starts):
-            gemm(w[j : j + cols], lone_t, None if b is None else b[j : j + cols, None], acc[t], tmp_t)
-        # into `out` in two copies: the tiles end to end, then the last one (which may overlap the one before it)
-        whole = (len(starts) - 1) * cols
-        if whole:
-            out[n_tiled:c, :whole] = acc[:-1].reshape(whole, -1)[:, :lone_rows].t()
-        c_n = min(cols, n - starts[-1])
-        out[n_tiled:c, starts[-1] : starts[-1] + c_n] = acc[-1, :c_n, :lone_rows].t()
+        acc = torch.empty((w.shape[0], lone.shape[0]), dtype=out.dtype, device=out.device)
+        tmp_t = torch.empty_like(acc) if len(k_parts) > 1 else None
+        gemm(w, lone.t(), None if b is None else b[:, None], acc, tmp_t)
+        out[n_tiled:c, :n] = acc[:n, :lone_rows].t()
     return out
 
 
