@@ -95,10 +95,20 @@ class TorchDistillKernels(TorchKernels):
         if left is not None and in_out:
             r = torch.exp(left.m - lse)
             # q = e (x - z) from here on: 0 where e is (a column without the policy's mass: 0 * -inf), +inf where
-            # e > 0 and the reference has no mass, as plain PyTorch
-            q.mul_(left.exps).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+            # e > 0 and the reference has no mass, as plain PyTorch; only the rows whose sum is not finite can hold
+            # such a term (a NaN, or an infinity of either sign), and only they pay the pass that repairs them
+            q.mul_(left.exps)
             with serial_row_reductions(rows, x.device):
-                sums = q.sum(dim=-1).mul_(r)
+                sums = q.sum(dim=-1)
+                if torch.compiler.is_compiling():
+                    q.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+                    sums = q.sum(dim=-1)
+                elif not bool(sums.isfinite().all()):
+                    bad = (~sums.isfinite()).nonzero()[:, 0]
+                    repaired = q[bad].nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+                    q[bad] = repaired
+                    sums[bad] = repaired.sum(dim=-1)
+                sums.mul_(r)
             coef, z_coef, entropy = finish(sums)
             s = math_.scale
             a, d = coef[:, 0], coef[:, 3]

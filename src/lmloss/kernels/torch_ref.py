@@ -101,6 +101,18 @@ class _Leftover:
     handed_out: int
 
 
+def _lse_only_of_scaled(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: bool, sum_logits: bool) -> bool:
+    """Whether `TorchKernels._partials` is asked for a read-only chunk's ``m`` and ``s`` alone under a
+    temperature (no softcap): then the scaled logits need not be written before they are shifted. The outputs
+    that other ops compare bit for bit (the target, the entropy, a chunk the caller owns) keep the
+    two-rounding path."""
+    return (
+        not (keep_exps or entropy or target or sum_logits or math.softcap)
+        and math.scale != 1.0
+        and x.dtype == acc
+    )
+
+
 def _needs_row_mask(inactive: torch.Tensor) -> bool:
     # eager: only chunks that have an inactive row pay for the masking pass; compiled: always (fused)
     return torch.compiler.is_compiling() or bool(inactive.any())
@@ -315,6 +327,16 @@ class TorchKernels:
             out[:, 0] = float("-inf")
             return out
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
+        if _lse_only_of_scaled(x, math, acc, keep_exps, entropy, target, sum_logits):
+            # only ``m`` and ``sum exp(scale x - m)`` (a reference head's, a full vocabulary's): ``m = scale * max x``
+            # (rounding is monotonic: the max of the rounded products) and the shift in one fused pass
+            # ``scale * x - m`` (one rounding), instead of writing ``scale * x`` first: one pass fewer
+            m = xv.amax(dim=-1).mul_(math.scale)
+            out[:, 0] = m
+            exps = torch.add(-m[:, None], xv, alpha=math.scale, out=self.scratch.get("y", rows, n_valid, acc)).exp_()
+            out[:, 1] = exps.sum(dim=-1)
+            self._left = _Leftover(x, m, exps, None, self.scratch.handed_out)
+            return out
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
             y = transform_into(xv, xv, math, aliased=True)
         elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
