@@ -166,6 +166,90 @@ def test_top_p_over_thousands_of_columns_with_a_wide_window_and_the_sorted_fallb
     assert sampling.FALLBACK_ROWS[0] - before == 6
 
 
+@pytest.mark.parametrize("top_k", [None, 90000])
+def test_top_p_over_a_flat_row_of_a_large_vocabulary_is_found_among_the_candidates(top_k):
+    """2 * randn logits over 128256 columns (the GPU benchmark's rows), top_p 0.9: ~30000 columns kept, ~450 per
+    mass bin at the crossing. Bounding the mass above a bin from the top alone left ~5000 columns in the window,
+    more than the candidates take (`KERNEL_CANDIDATES_MAX`): every row was sorted. Alone and after a top-k that
+    binned the masses for it, the set is vLLM's, found without sorting a row."""
+    x = logits(2, 128256, seed=3, spread=2.0)
+    kw = dict(top_p=0.9) if top_k is None else dict(top_p=0.9, top_k=top_k)
+    before = sampling.FALLBACK_ROWS[0]
+    found = search(x, 1.0, kw)
+    assert sampling.FALLBACK_ROWS[0] == before
+    ref = vllm_kept(x.double().cpu(), **{k: per_row(v, 2) for k, v in kw.items()})
+    assert torch.equal((x >= found.keep_min[:, None]).cpu(), ref)
+
+
+def test_crossing_bins_hold_the_crossing_and_few_columns_on_random_rows():
+    """`sampling.crossing_bins` from counts and the total mass, against the crossing bin of float64 per-bin masses
+    of the same values: over flat, peaked and tied rows, top_p from 0.01 to 0.999, and a kept mass off by up to
+    half the margin either way, the crossing is inside the window, and the window's count is its columns'."""
+    g = torch.Generator().manual_seed(9)
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    for trial in range(60):
+        cols = int(torch.randint(2, 150000, (1,), generator=g))
+        spread = float(torch.empty(1).uniform_(0.05, 8.0, generator=g))
+        y = torch.randn(4, cols, generator=g, dtype=torch.float64) * spread
+        if trial % 5 == 0:
+            y = y.round()  # ties: many columns share a bin
+        e = torch.exp(y - y.amax(1, keepdim=True)).float()  # as the kernels' bins see them
+        b, _ = mass_bins(e.double())
+        counts = torch.zeros(4, ts.NBINS, dtype=torch.int64).scatter_add_(1, b, torch.ones_like(b))
+        mass = torch.zeros(4, ts.NBINS, dtype=torch.float64).scatter_add_(1, b, e.double())
+        top_p = torch.empty(4, dtype=torch.float64).uniform_(0.01, 0.999, generator=g)
+        for off in (-0.5, 0.0, 0.5):
+            z_given = mass.sum(1) * (1 + off * sampling.CROSSING_MASS_MARGIN)
+            _assert_window_holds_the_crossing(counts, mass, z_given, top_p * z_given, b)
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.05])
+def test_crossing_bins_of_flat_rows_hold_a_few_bins_worth_of_columns(top_p):
+    """On the benchmark's flat rows (2 * randn over 128256 columns; at top_p 0.9 ~450 columns a bin at the
+    crossing) the window spans a few bins: at most four times the crossing bin's columns, and half what the
+    candidates take. The bound from the top alone left 11-13 bins (~5000 columns) at 0.9; the one from the
+    bottom alone is as wide at 0.05."""
+    g = torch.Generator().manual_seed(12)
+    y = (torch.randn(16, 128256, generator=g) * 2).double()
+    e = torch.exp(y - y.amax(1, keepdim=True)).float()
+    b, _ = mass_bins(e.double())
+    counts = torch.zeros(16, ts.NBINS, dtype=torch.int64).scatter_add_(1, b, torch.ones_like(b))
+    mass = torch.zeros(16, ts.NBINS, dtype=torch.float64).scatter_add_(1, b, e.double())
+    z = mass.sum(1)
+    b_lo, b_hi, in_window = sampling.crossing_bins(counts, z, top_p * z, *ts.mass_bin_bounds(torch.device("cpu")))
+    crossing = (mass.flip(1).cumsum(1).flip(1) >= top_p * z[:, None]).sum(1) - 1
+    assert ((b_lo <= crossing) & (crossing <= b_hi)).all()
+    assert (in_window <= 4 * counts.gather(1, crossing[:, None])[:, 0]).all()
+    assert (in_window <= sampling.KERNEL_CANDIDATES_MAX // 2).all()
+
+
+@pytest.mark.parametrize("edge", ["low", "high"])
+def test_crossing_bins_hold_a_crossing_at_a_bins_edge_with_the_kept_mass_off_by_half_the_margin(edge):
+    """Masses at their bins' lowest (or just below their highest) values, where the bounds from the bottom are
+    tightest, and targets right at the mass at or above a bin (or just above the next one's): the margin on the
+    kept mass keeps the crossing inside the window."""
+    g = torch.Generator().manual_seed(10)
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    bins = torch.randint(1700, ts.NBINS - 1, (4, 300), generator=g)
+    values = low.float()[bins] if edge == "low" else torch.nextafter(high.float()[bins], torch.tensor(0.0))
+    counts = torch.zeros(4, ts.NBINS, dtype=torch.int64).scatter_add_(1, bins, torch.ones_like(bins))
+    mass = torch.zeros(4, ts.NBINS, dtype=torch.float64).scatter_add_(1, bins, values.double())
+    at_or_above = mass.flip(1).cumsum(1).flip(1)
+    for b in range(1700, ts.NBINS - 1, 7):
+        for target in (at_or_above[:, b], torch.minimum(at_or_above[:, b + 1] * (1 + 2.0**-40), at_or_above[:, 0])):
+            for off in (-0.5, 0.5):
+                z_given = mass.sum(1) * (1 + off * sampling.CROSSING_MASS_MARGIN)
+                _assert_window_holds_the_crossing(counts, mass, z_given, target, bins)
+
+
+def _assert_window_holds_the_crossing(counts, mass, z_given, target, bins):
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    crossing = (mass.flip(1).cumsum(1).flip(1) >= target[:, None]).sum(1) - 1
+    b_lo, b_hi, in_window = sampling.crossing_bins(counts, z_given, target, low, high)
+    assert ((b_lo <= crossing) & (crossing <= b_hi)).all()
+    assert torch.equal(in_window, ((bins >= b_lo[:, None]) & (bins <= b_hi[:, None])).sum(1))
+
+
 def test_ties_at_the_top_k_boundary_and_padding_columns():
     # 5, 4, 3, 3, 3, 2, ...: top_k=3 keeps the three tied 3s; the last two columns are padding (never kept)
     x = torch.tensor([[5.0, 3.0, 4.0, 3.0, 2.0, 3.0, 1.0, 0.0, 9.0, 9.0]], device=DEVICE)
