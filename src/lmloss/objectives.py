@@ -232,7 +232,7 @@ class SoftmaxObjective:
         plan = self.plan
         labels = None if self.labels is None else rows.take(self.labels)
         if self.reference is not None:
-            return self._with_reference(state, rows, x, kernels, sink, labels)
+            return self._with_reference(state, rows, x, kernels, sink, labels, overwrite)
         kept = self._thresholds(state, rows, x, kernels)
         keep = {} if kept is None else {"keep_min": kept.keep_min}
         if sink is None:
@@ -280,7 +280,7 @@ class SoftmaxObjective:
                 stats["log_kept_mass"] = self._counted(rows, stats["lse"] - kept.full_lse)
         return stats
 
-    def _with_reference(self, state, rows, x, kernels, sink, labels) -> dict:
+    def _with_reference(self, state, rows, x, kernels, sink, labels, overwrite: bool = False) -> dict:
         """A chunk beside the reference's: both heads' statistics in one combine (MAX + SUM), the policy's
         outputs, ``kl`` from the divergence's row sums (one SUM); with a sink the gradient of the upstream's
         objective, its policy terms by the softmax kernels and its KL term by the two-distribution ones
@@ -289,8 +289,11 @@ class SoftmaxObjective:
         xt = state["reference"](rows)
         ref_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied the softcap
         ref = kernels.softmax_partials(xt, None, ref_math, entropy=False, target=False, sum_logits=False)
-        # the policy's last: the PyTorch kernels' folded gradient reuses the exps its partials leave
-        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags)
+        # the policy's last: the PyTorch kernels' folded gradient reuses the exps its partials leave, and where
+        # the chunk is ours they take ``x - x_ref`` first and work in x (the contract's `difference_into`)
+        folded = sink is not None and self._kl_by_difference(kernels, x, xt, state["reference"])
+        in_place = dict(overwrite=True, difference_into=xt) if folded and overwrite else {}
+        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags, **in_place)
         c = rows.count
         both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
         stats = finish(plan, both[:c], labels, self._counting(rows))
@@ -314,7 +317,7 @@ class SoftmaxObjective:
             return None, torch.stack([g_kl, stats["kl"]], dim=1)
 
         out = sink.buffer(rows, x)
-        if self._kl_by_difference(kernels, x, xt, state["reference"]):
+        if folded:
             return self._with_reference_by_difference(rows, x, xt, kernels, sink, labels, stats, both[c:], out)
         if "kl_grad" not in state:
             state["kl_grad"] = torch.empty((state["rows"], out.shape[1]), dtype=out.dtype, device=out.device)

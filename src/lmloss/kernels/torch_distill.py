@@ -88,10 +88,14 @@ class TorchDistillKernels(TorchKernels):
         n_valid, rows = math_.valid, x.shape[0]
         acc = compute_dtype(x.dtype)
         in_out = out.dtype == acc
-        left = self.leftover_of(x)
+        last, left = self._left, self.leftover_of(x)
         self._left = None
         xv, q = x[:, :n_valid], z[:, :n_valid]
-        torch.sub(xv, q, out=q)  # before `out` (maybe x) changes
+        if last is not None and last.x is x and last.difference is z:  # the partials made it, then worked in x
+            if left is None or not in_out:  # x holds neither its logits nor, with the scratch reused since, its exps
+                raise RuntimeError("softmax_grad_with_difference_ needs the exps its partials left (x was worked in)")
+        else:
+            torch.sub(xv, q, out=q)  # before `out` (maybe x) changes
         if left is not None and in_out:
             r = torch.exp(left.m - lse)
             # q = e (x - z) from here on: 0 where e is (a column without the policy's mass: 0 * -inf), +inf where

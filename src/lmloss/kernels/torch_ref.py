@@ -92,25 +92,24 @@ def transform_into(
 class _Leftover:
     """What `TorchKernels._partials` left in the pass's scratch for chunk `x` (unmodified): per row the shift `m`
     (the local max of y), ``exps = exp(y - m)`` and, with the entropy, ``e_shifted = exps * (y - m)`` (0 where
-    exps is 0); valid while the scratch has handed out no other view since (`ChunkScratch.handed_out`)."""
+    exps is 0); valid while the scratch has handed out no other view since (`ChunkScratch.handed_out`). With
+    `difference` (`softmax_partials(..., difference_into=z)`), x was worked on in place: `e_shifted` (or, without
+    the entropy, `exps`) is x's own memory, and z holds ``x - z`` of the raw x."""
 
     x: torch.Tensor
     m: torch.Tensor
     exps: torch.Tensor
     e_shifted: torch.Tensor | None
     handed_out: int
+    difference: torch.Tensor | None = None  # the chunk ``x - z`` was written over before x was worked in place
 
 
-def _lse_only_of_scaled(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: bool, sum_logits: bool) -> bool:
-    """Whether `TorchKernels._partials` is asked for a read-only chunk's ``m`` and ``s`` alone under a
-    temperature (no softcap): then the scaled logits need not be written before they are shifted. The outputs
-    that other ops compare bit for bit (the target, the entropy, a chunk the caller owns) keep the
-    two-rounding path."""
-    return (
-        not (keep_exps or entropy or target or sum_logits or math.softcap)
-        and math.scale != 1.0
-        and x.dtype == acc
-    )
+def _lse_only(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: bool, sum_logits: bool) -> bool:
+    """Whether `TorchKernels._partials` is asked for a read-only chunk's ``m`` and ``s`` alone (no softcap): then
+    the scaled logits need not be written before they are shifted, and the exps go to the "exps" buffer (the
+    folded full KL's reference: the policy's in-place partials that follow use no other). The outputs that other
+    ops compare bit for bit (the target, the entropy, a chunk the caller owns) keep the two-rounding path."""
+    return not (keep_exps or entropy or target or sum_logits or math.softcap) and x.dtype == acc
 
 
 def _needs_row_mask(inactive: torch.Tensor) -> bool:
@@ -136,17 +135,21 @@ class TorchKernels:
 
     def softmax_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
-        keep_min=None, kept_exps=None, live=None,
+        keep_min=None, kept_exps=None, live=None, difference_into=None,
     ) -> torch.Tensor:  # fmt: skip
         """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place. `live` (the
         rows that count) is not used: whole-chunk tensor ops compute every row (the caller masks the others).
         `keep_min` ``[c]``: the kept-set threshold of each row (see `lmloss.kernels`), or None;
         `kept_exps`: ``(exps, shift, kept_mass or None)`` the threshold search left (reused here, and
-        overwritten)."""
+        overwritten). `difference_into` (the contract's hint of a folded full KL to follow): where x is worked
+        on in place, ``x - z`` is written over this chunk first, for `softmax_grad_with_difference_`."""
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
                 return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps)
-            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite)
+            acc = compute_dtype(x.dtype)
+            in_place = overwrite and x.dtype == acc and not math.softcap
+            take = difference_into if in_place and difference_into is not None and difference_into.dtype == acc else None
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite, difference_into=take)
 
     def block_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
@@ -319,7 +322,7 @@ class TorchKernels:
         out[:, 2] = exps.mul_(shifted).sum(dim=-1)
         return out
 
-    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps):
+    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps, difference_into=None):
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         out = torch.zeros((rows, 5), dtype=acc, device=x.device)
@@ -327,16 +330,24 @@ class TorchKernels:
             out[:, 0] = float("-inf")
             return out
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
-        if _lse_only_of_scaled(x, math, acc, keep_exps, entropy, target, sum_logits):
+        if _lse_only(x, math, acc, keep_exps, entropy, target, sum_logits):
             # only ``m`` and ``sum exp(scale x - m)`` (a reference head's, a full vocabulary's): ``m = scale * max x``
-            # (rounding is monotonic: the max of the rounded products) and the shift in one fused pass
-            # ``scale * x - m`` (one rounding), instead of writing ``scale * x`` first: one pass fewer
-            m = xv.amax(dim=-1).mul_(math.scale)
+            # (rounding is monotonic: the max of the rounded products) and, under a temperature, the shift in one
+            # fused pass ``scale * x - m`` (one rounding) instead of writing ``scale * x`` first: one pass fewer
+            m = xv.amax(dim=-1)
+            work = self.scratch.get("exps", rows, n_valid, acc)
+            if math.scale == 1.0:
+                torch.sub(xv, m[:, None], out=work)
+            else:
+                m.mul_(math.scale)
+                torch.add(-m[:, None], xv, alpha=math.scale, out=work)
             out[:, 0] = m
-            exps = torch.add(-m[:, None], xv, alpha=math.scale, out=self.scratch.get("y", rows, n_valid, acc)).exp_()
+            exps = work.exp_()
             out[:, 1] = exps.sum(dim=-1)
             self._left = _Leftover(x, m, exps, None, self.scratch.handed_out)
             return out
+        if difference_into is not None:  # before x changes (`softmax_grad_with_difference_` reads it from there)
+            torch.sub(xv, difference_into[:, :n_valid], out=difference_into[:, :n_valid])
         if keep_exps and x.dtype == acc:  # a chunk the caller owns: work in it (exps are left there)
             y = transform_into(xv, xv, math, aliased=True)
         elif x.dtype == acc and math.scale == 1.0 and not math.softcap:
@@ -371,7 +382,10 @@ class TorchKernels:
             out[:, 1] = exps.sum(dim=-1)
         # x itself is intact unless it was worked on in place: `softmax_grad_with_difference_` of the same chunk
         # reuses what is left in the scratch (``exp(y - m)``, and ``exp(y - m)(y - m)`` with the entropy)
-        self._left = None if y is xv and keep_exps else _Leftover(x, m, exps, e_shifted, self.scratch.handed_out)
+        if difference_into is not None:
+            self._left = _Leftover(x, m, exps, e_shifted, self.scratch.handed_out, difference_into)
+        else:
+            self._left = None if y is xv and keep_exps else _Leftover(x, m, exps, e_shifted, self.scratch.handed_out)
         return out
 
     def softmax_grad_(

@@ -1050,10 +1050,11 @@ class TritonKernels:
 
     def softmax_partials(
         self, x, labels, math, *, entropy, target, sum_logits, overwrite=False, keep_min=None, kept_exps=None,
-        live=None,
+        live=None, difference_into=None,
     ):  # fmt: skip
         """`kept_exps` (the threshold search's exps) is not used: the kernel's one pass makes its own. `live`:
-        the rows that count; the others are not read (`softmax_partials`)."""
+        the rows that count; the others are not read (`softmax_partials`). `difference_into` is not used: the
+        folded gradient kernel reads both chunks as they are."""
         return softmax_partials(
             x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, live=live
         )

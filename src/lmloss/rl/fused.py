@@ -71,9 +71,11 @@ def check_reference_head(ref_hidden, ref_weight, hidden, weight) -> None:
 
 
 def _full_kl_chunk_bytes(softcap, weight, ref_weight) -> dict:
-    """The per-logit working set of ``kl_loss_type="full"`` for ``chunk_size="auto"`` (`lmloss.fused.prepare`)."""
+    """The per-logit working set of ``kl_loss_type="full"`` for ``chunk_size="auto"`` (`lmloss.fused.prepare`):
+    folded on the PyTorch kernels, the policy's chunk (worked in place), the reference's (``x - x_ref``, then its
+    product with the exps) and the exps: three values (fp32: 12 bytes)."""
     folded_torch = not softcap and ref_weight is not None and weight.dtype == ref_weight.dtype in (torch.float32, torch.float64)
-    return dict(bytes_per_logit=16 if folded_torch else 20, chunk_buffers=3 if softcap else 2)
+    return dict(bytes_per_logit=3 * weight.element_size() if folded_torch else 20, chunk_buffers=3 if softcap else 2)
 
 
 class PolicyUpstream:
