@@ -86,7 +86,10 @@ objective's upstream), then
 the caller's scratch in x's compute dtype; the Triton kernels read any float dtypes and write neither). The
 PyTorch kernels reuse the exps the policy's `softmax_partials` of the same chunk left in their scratch when it is
 the last call before (the objective makes the reference's partials first); the Triton kernels make the sums in one
-kernel (`triton_kernels.difference_sums`) and the term in the gradient kernel (``DIFF``).
+kernel (`triton_kernels.difference_sums`) and the term in the gradient kernel (``DIFF``). The policy's
+``softmax_partials(x, ..., overwrite=True, difference_into=z)`` says that this gradient of x and z follows: an
+implementation may write ``x - z`` over z there and then work in x (the PyTorch kernels do, for an fp32 / fp64 x
+they own: one chunk-sized buffer fewer, the same bits); the Triton kernels ignore it.
 
 Kept set (sampling truncation, `lmloss.sampling`): ``softmax_partials``, ``softmax_grad_`` and
 ``partials_then_grad_`` take an optional ``keep_min [c]`` (y's dtype). A valid column with
