@@ -26,6 +26,7 @@ import torch
 from gpu_rounds import parser, report, run_rounds
 
 import lmloss
+from lmloss import sampling
 
 #: One ``[32768, 128256]`` input shared by the logits rows (8.4 GB in bf16, its gradient as much again), freed
 #: after their group.
@@ -168,7 +169,8 @@ def main() -> None:
     names = list(cases) if not args.case else [c for c in cases if c in args.case or any(
         cases[k][1] == c for k in args.case if k in cases)]  # fmt: skip
     samples = run_rounds(cases, names, device, args.rounds, after_group=_SHARED.clear)
-    report(cases, samples, device, args, "kernels33.json")
+    # top-p's rows left to the sorted fallback (every row of every call before the window's two-sided bound)
+    report(cases, samples, device, args, "kernels33.json", extra={"top_p_rows_sorted": sampling.FALLBACK_ROWS[0]})
 
 
 if __name__ == "__main__":

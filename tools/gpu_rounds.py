@@ -68,9 +68,10 @@ def run_rounds(cases: dict, names: list[str], device: torch.device, rounds: int,
     return samples
 
 
-def report(cases: dict, samples: dict, device: torch.device, args, filename: str) -> list[dict]:
+def report(cases: dict, samples: dict, device: torch.device, args, filename: str, extra: dict | None = None) -> list[dict]:
     """Print each row's median, its ratio to its baseline's and whether it meets its target; with ``args.out``
-    write every sample to ``args.out/filename`` (JSON, with the device, torch, ``args.rounds`` and ``args.tiny``)."""
+    write every sample to ``args.out/filename`` (JSON, with the device, torch, ``args.rounds``, ``args.tiny`` and
+    what `extra` adds, printed too)."""
     rows = []
     print(f"{'case':<36} {'ms':>9} {'baseline':>26} {'ratio':>7} {'target':>7}  met")
     for c in samples:
@@ -83,10 +84,12 @@ def report(cases: dict, samples: dict, device: torch.device, args, filename: str
         rows.append(dict(case=c, ms=ms, samples=samples[c], baseline=base, ratio=ratio, target=target, met=met))
         print(f"{c:<36} {ms:>9.3f} {base or '':>26} {'' if ratio is None else f'{ratio:.2f}':>7} "
               f"{'' if target is None else f'{target:.2f}':>7}  {'' if met is None else ('yes' if met else 'NO')}")
+    for key, value in (extra or {}).items():
+        print(f"{key}: {value}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    torch=torch.__version__, rounds=args.rounds, tiny=args.tiny)  # fmt: skip
+                    torch=torch.__version__, rounds=args.rounds, tiny=args.tiny, **(extra or {}))  # fmt: skip
         with open(os.path.join(args.out, filename), "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
     return rows
