@@ -61,3 +61,18 @@ def test_a_gradient_whose_exps_were_overwritten_after_partials_that_worked_in_x_
     lse = part[:, 0] + part[:, 1].log()
     with pytest.raises(RuntimeError, match="exps its partials left"):
         kernels.softmax_grad_with_difference_(x, labels, z, lse, math, lambda s: (None, None, None), x)
+
+
+@pytest.mark.parametrize("case", ["softcap", "bf16 reference"])
+def test_a_difference_the_partials_cannot_take_leaves_both_chunks_as_they_were(case):
+    """Where the difference cannot be taken first (a softcap: the gradient's dy/dx is not the scale; a reference
+    chunk in another dtype), the partials neither write it nor work in x, so the gradient can take it itself."""
+    x, z, labels = _chunks(3)
+    math = ChunkMath(vocab_start=0, valid=VALID, scale=1.0, softcap=30.0 if case == "softcap" else 0.0)
+    if case == "bf16 reference":
+        z = z.bfloat16()
+    x_before, z_before = x.clone(), z.clone()
+    kernels = make_kernels("torch", ROWS, COLS, x.device)
+    kernels.softmax_partials(x, labels, math, entropy=True, target=True, sum_logits=False, overwrite=True,
+                             difference_into=z)  # fmt: skip
+    assert torch.equal(x, x_before) and torch.equal(z, z_before)

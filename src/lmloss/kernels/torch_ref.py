@@ -149,7 +149,9 @@ class TorchKernels:
             acc = compute_dtype(x.dtype)
             in_place = overwrite and x.dtype == acc and not math.softcap
             take = difference_into if in_place and difference_into is not None and difference_into.dtype == acc else None
-            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=overwrite, difference_into=take)
+            # a difference asked for and not taken: x stays as it is, for the gradient to take it from
+            keep_exps = overwrite and (difference_into is None or take is not None)
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=keep_exps, difference_into=take)
 
     def block_partials(
         self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
