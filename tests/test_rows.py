@@ -60,6 +60,26 @@ def test_slicing_sources_skip_long_gaps_and_join_runs_across_short_ones():
                                                    (17 + MIN_GAP, 20 + MIN_GAP)]  # fmt: skip
 
 
+def test_over_a_narrow_vocabulary_only_gaps_of_enough_logits_are_skipped():
+    """A chunk boundary costs what ~`GAP_LOGITS` logits cost: over a narrow vocabulary a gap must be longer to be
+    worth skipping (half of every 512 rows ignored took 3.9x the time of none at 8 columns when every gap
+    was skipped). The sink zeroes exactly the gaps the chunks skip."""
+    from lmloss.rows import GAP_LOGITS
+
+    assert min_gap(torch.device("cpu"), 1024, row_width=32000) == MIN_GAP
+    assert min_gap(torch.device("cpu"), 1024, row_width=256) == GAP_LOGITS // 256 > MIN_GAP
+    assert min_gap(torch.device("cuda"), 1024, row_width=8) == GAP_LOGITS // 8
+    mask = torch.ones(4096, dtype=torch.bool)
+    mask.view(-1, 512)[:, :256] = False
+    wide, narrow = RowSelection.of(mask, row_width=32000), RowSelection.of(mask, row_width=256)
+    assert len(wide.chunks(4096, gather=False)) == 8  # every prompt skipped
+    assert _spans(narrow.chunks(4096, gather=False)) == [(256, 4096)]  # computed and masked
+    for sel, zeroed in ((wide, ~mask), (narrow, torch.arange(4096) < 256)):
+        t = torch.ones(4096, 3)
+        sel.zero_skipped_(t, 4096)
+        assert torch.equal(t[:, 0] == 0, zeroed)
+
+
 def test_on_a_gpu_slicing_sources_skip_only_gaps_of_a_chunk_or_more():
     # a GPU chunk of a few hundred rows leaves SMs idle: half of every 512 rows ignored, skipped run by run,
     # took 2.75x the time of none ignored on an H200; there only gaps of at least a chunk are skipped
@@ -157,6 +177,7 @@ def test_fused_ops_multiply_only_the_rows_that_count(op):
 
 
 def test_logits_kernels_see_only_the_rows_that_count(monkeypatch):
+    monkeypatch.setattr(lmloss.rows, "GAP_LOGITS", 1)  # every gap of MIN_GAP rows skipped, at 50 columns too
     labels = torch.full((4 * MIN_GAP,), -100)
     labels[MIN_GAP : MIN_GAP + 10] = 3  # one run, long gaps on both sides
     labels[3 * MIN_GAP + 5 : 3 * MIN_GAP + 9] = 1
@@ -194,9 +215,11 @@ LOGITS_OPS = {
 
 
 @pytest.mark.parametrize("op", list(LOGITS_OPS))
-def test_logits_ops_read_nothing_of_an_ignored_prompt_and_give_every_ignored_row_zero_gradient(op):
-    """Logits are sliced, not gathered: a gap of at least `MIN_GAP` ignored rows (a prompt) is skipped,
-    a shorter one (the response's ignored tokens) is computed with its neighbours and masked."""
+def test_logits_ops_read_nothing_of_an_ignored_prompt_and_give_every_ignored_row_zero_gradient(op, monkeypatch):
+    """Logits are sliced, not gathered: a gap of at least `MIN_GAP` ignored rows (a prompt; with `GAP_LOGITS`
+    set so that 40 columns do not make it longer) is skipped, a shorter one (the response's ignored tokens) is
+    computed with its neighbours and masked."""
+    monkeypatch.setattr(lmloss.rows, "GAP_LOGITS", 1)
     labels = _sequences_with_prompts(length=MIN_GAP + 60, prompt=MIN_GAP + 4, v=40)
     ignored = labels == -100
     prompts = ignored.view(4, -1).clone()

@@ -163,6 +163,17 @@ CASES = {
         def step():
             x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
     """, "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', none ignored"),
+    "narrow_half_ignored": ("""
+        x = (torch.randn(16384, 256) * 2).requires_grad_(); y = torch.randint(0, 256, (16384,))
+        y.view(-1, 512)[:, :256] = -100; u = torch.randn(16384)
+        def step():
+            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
+    """, "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', half ignored"),
+    "narrow_none_ignored": ("""
+        x = (torch.randn(16384, 256) * 2).requires_grad_(); y = torch.randint(0, 256, (16384,)); u = torch.randn(16384)
+        def step():
+            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
+    """, "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', none ignored"),
 }
 
 #: The cases whose op takes ``invariant=`` (their code passes ``**INV``).

@@ -121,7 +121,8 @@ def token_logprobs(
             shard under TP.
         labels: ``[...]`` integer global vocabulary ids, or `ignore_index`: a token that does not count. It
             takes no softmax pass (a run of at least `lmloss.rows.min_gap` such tokens is skipped: 64 on a
-            CPU, a chunk on a GPU; a shorter one is computed with its neighbours and masked), every output there is 0.0 and its gradient row 0.
+            CPU, more over fewer than 2048 columns, a chunk on a GPU; a shorter one is computed with its
+            neighbours and masked), every output there is 0.0 and its gradient row 0.
         chunk_size: tokens per chunk (over the flattened leading dims); ``"auto"``: for the PyTorch
             implementation as many as fit its two fp32 chunk buffers in the memory budget, one chunk for
             Triton (it holds nothing chunk-sized); None for one chunk.

@@ -232,13 +232,13 @@ def make_plan(
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
     if counting is None and labels is not None:
         counting = labels != ignore_index
-    selection = None
-    if counting is not None and not torch.compiler.is_compiling():  # data-dependent: every row under compile
-        selection = RowSelection.of(counting.reshape(-1))
-    n_count = n_tokens if selection is None else selection.count
     # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does;
     # a replayed support's chunk is [c, K] slots (and, fused, the matmul of the rows its ids name)
     width = max_local if support is None else min(max_local, 64 * support.shape[1])
+    selection = None
+    if counting is not None and not torch.compiler.is_compiling():  # data-dependent: every row under compile
+        selection = RowSelection.of(counting.reshape(-1), row_width=width)
+    n_count = n_tokens if selection is None else selection.count
     budget_impl = "torch" if sampling is not None else impl
     weight_block = weight_block_rows = 0
     if schedule is not None:  # a fused head: its chunks and its weight gradient's schedule, within the budget

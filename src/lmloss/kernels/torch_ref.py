@@ -112,11 +112,6 @@ def _lse_only(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: b
     return not (keep_exps or entropy or target or sum_logits or math.softcap) and x.dtype == acc
 
 
-def _needs_row_mask(inactive: torch.Tensor) -> bool:
-    # eager: only chunks that have an inactive row pay for the masking pass; compiled: always (fused)
-    return torch.compiler.is_compiling() or bool(inactive.any())
-
-
 class TorchKernels:
     """`softmax_partials` / `softmax_grad_` for one pass, with that pass's scratch buffers."""
 
@@ -497,8 +492,11 @@ class TorchKernels:
         if math.scale != 1.0:
             work.mul_(math.scale)
         inactive = (coef == 0).all(dim=1)
-        if _needs_row_mask(inactive):
+        if torch.compiler.is_compiling():  # compiled: always, fused into the passes before
             work.masked_fill_(inactive[:, None], 0.0)
+        elif bool(inactive.any()):  # eager: only those rows written (a broadcast row mask reads a flag per element:
+            # 3-4x the time at [16384, 256] or [128, 32000] with half the rows inactive)
+            work.index_fill_(0, inactive.nonzero()[:, 0], 0.0)
 
 
 def _block_max(y: torch.Tensor, block: int) -> torch.Tensor:
