@@ -116,7 +116,7 @@ class RowSelection:
             return [self._gathered(positions[s : s + step]) for s in range(0, self.count, step)]
         if self.starts.numel() == 0:
             return []
-        joined = (self.starts[1:] - self.ends[:-1]) >= min_gap(self.index.device, step, self.row_width)  # skipped
+        joined = self._skipped_inner_gaps(self.index.device, step)
         first = torch.cat([torch.ones(1, dtype=torch.bool), joined])
         last = torch.cat([joined, torch.ones(1, dtype=torch.bool)])
         out: list[Rows] = []
@@ -134,6 +134,12 @@ class RowSelection:
             return Rows(start, end, self.index[first : last + 1])
         return Rows(start, end, self.index_host[positions].to(self.index.device))
 
+    def _skipped_inner_gaps(self, device: torch.device, chunk_rows: int) -> torch.Tensor:
+        """bool ``[runs - 1]``: which gaps between consecutive runs a slicing source's chunks of `chunk_rows`
+        skip (`min_gap`); the others are computed with the runs around them. The chunks and the sink's zeroing
+        read this one rule."""
+        return (self.starts[1:] - self.ends[:-1]) >= min_gap(device, max(chunk_rows, 1), self.row_width)
+
     def zero_skipped_(self, t: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """Write 0 into the rows of `t` (``[N, ...]``) that no chunk holds: every row that does not count, or,
         for a slicing source's chunks of `chunk_rows` (`chunks` without `gather`), the gaps it skips (the
@@ -142,8 +148,8 @@ class RowSelection:
         gaps_start = torch.cat([torch.zeros(1, dtype=torch.int64), self.ends])
         gaps_end = torch.cat([self.starts, torch.full((1,), self.n, dtype=torch.int64)])
         skipped = gaps_end > gaps_start
-        if chunk_rows is not None:  # a slice computes inner gaps shorter than min_gap; the first and last never
-            skipped[1:-1] &= gaps_end[1:-1] - gaps_start[1:-1] >= min_gap(t.device, max(chunk_rows, 1), self.row_width)
+        if chunk_rows is not None:  # a slice computes the inner gaps it does not skip
+            skipped[1:-1] &= self._skipped_inner_gaps(t.device, chunk_rows)
         starts, ends = gaps_start[skipped], gaps_end[skipped]
         if starts.numel() > (MIN_GAP if t.device.type == "cpu" else 2):  # many gaps (a GPU: launches): one fill
             edges = torch.zeros(self.n + 1, dtype=torch.int64)  # +1 where a gap starts, -1 where it ends

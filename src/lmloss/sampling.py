@@ -401,9 +401,6 @@ def keep_thresholds_by_kernels(
         cand = packed[:, :, 1:].permute(1, 0, 2).reshape(rows, -1).sort(dim=1, descending=True).values
         return cand, above
 
-    def suffix(t):  # per bin, the sum over that bin and every bin above it
-        return t.flip(1).cumsum(1).flip(1)
-
     sorted_rows = torch.zeros(rows, dtype=torch.bool, device=dev)  # top-k rows sorted: top-p sorts them too
     counts = z_mass = None
     if top_k is not None:
@@ -414,7 +411,7 @@ def keep_thresholds_by_kernels(
         total, full_sum = summed(hist, mass)
         full = full_sum if full_sum is not None else full
         hist = total[:, : ts.NBINS].round().to(torch.int64)
-        at_or_above = suffix(hist)
+        at_or_above = _suffix_sums(hist)
         cut = finite & (k <= at_or_above[:, 0])
         b_k = ((at_or_above >= k[:, None]).sum(1) - 1).clamp(min=0)
         above_count = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], 1).gather(1, (b_k + 1)[:, None])[:, 0]
@@ -504,14 +501,20 @@ def crossing_bins(
     below_min = lo_mass.new_zeros(c.shape)
     below_max[:, 1:], below_min[:, 1:] = hi_mass.cumsum(1)[:, :-1], lo_mass.cumsum(1)[:, :-1]
     z = z_mass.double()[:, None]
-    at_or_above_min = torch.maximum(lo_mass.flip(1).cumsum(1).flip(1), z * (1 - CROSSING_MASS_MARGIN) - below_max)
-    at_or_above_max = torch.minimum(hi_mass.flip(1).cumsum(1).flip(1), z * (1 + CROSSING_MASS_MARGIN) - below_min)
+    at_or_above_min = torch.maximum(_suffix_sums(lo_mass), z * (1 - CROSSING_MASS_MARGIN) - below_max)
+    at_or_above_max = torch.minimum(_suffix_sums(hi_mass), z * (1 + CROSSING_MASS_MARGIN) - below_min)
     # both bounds fall with the bin (differences of monotone sums): each comparison is a prefix of the bins
     b_hi = ((at_or_above_max >= target[:, None]).sum(1) - 1).clamp(min=0)
     b_lo = torch.minimum(((at_or_above_min >= target[:, None]).sum(1) - 1).clamp(min=0), b_hi)
-    count_from = torch.cat([counts.flip(1).cumsum(1).flip(1), counts.new_zeros(counts.shape[0], 1)], 1)
+    count_from = torch.cat([_suffix_sums(counts), counts.new_zeros(counts.shape[0], 1)], 1)
     in_window = count_from.gather(1, b_lo[:, None])[:, 0] - count_from.gather(1, (b_hi + 1)[:, None])[:, 0]
     return b_lo, b_hi, in_window
+
+
+def _suffix_sums(t: torch.Tensor) -> torch.Tensor:
+    """Per bin of ``[c, bins]``, the sum over that bin and every bin above it, summed from the top (exact for
+    integer counts; `_at_or_above` is the float64 mass form the PyTorch search uses)."""
+    return t.flip(1).cumsum(1).flip(1)
 
 
 def _smallest_kept(keep: torch.Tensor, cut: torch.Tensor, scale: float) -> torch.Tensor | None:

@@ -103,15 +103,15 @@ class TorchDistillKernels(TorchKernels):
             # such a term (a NaN, or an infinity of either sign), and only they pay the pass that repairs them
             q.mul_(left.exps)
             with serial_row_reductions(rows, x.device):
-                sums = q.sum(dim=-1)
-                if torch.compiler.is_compiling():
-                    q.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+                if torch.compiler.is_compiling():  # compiled: every row repaired, fused into the product
+                    sums = q.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf).sum(dim=-1)
+                else:
                     sums = q.sum(dim=-1)
-                elif not bool(sums.isfinite().all()):
-                    bad = (~sums.isfinite()).nonzero()[:, 0]
-                    repaired = q[bad].nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
-                    q[bad] = repaired
-                    sums[bad] = repaired.sum(dim=-1)
+                    if not bool(sums.isfinite().all()):
+                        bad = (~sums.isfinite()).nonzero()[:, 0]
+                        repaired = q[bad].nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+                        q[bad] = repaired
+                        sums[bad] = repaired.sum(dim=-1)
                 sums.mul_(r)
             coef, z_coef, entropy = finish(sums)
             s = math_.scale
