@@ -25,6 +25,18 @@ import subprocess
 import sys
 import textwrap
 
+
+def _logits_ignored(n: int, v: int, *, half: bool) -> str:
+    """A `token_logprobs` case under a per-token upstream over ``[n, v]`` fp32 logits; `half`: the first 256 of
+    every 512 tokens ignored (as prompts are in SFT and RL)."""
+    ignore = "; y.view(-1, 512)[:, :256] = -100" if half else ""
+    return f"""
+        x = (torch.randn({n}, {v}) * 2).requires_grad_(); y = torch.randint(0, {v}, ({n},)){ignore}; u = torch.randn({n})
+        def step():
+            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
+    """
+
+
 #: name -> (setup code defining `step()`, what it is). Shapes of the README's and docs' CPU cost rows.
 CASES = {
     "logits_fp32_chunk1024": ("""
@@ -152,28 +164,15 @@ CASES = {
         def step():
             h.grad = w.grad = None; (lmloss.linear_token_logprobs(h, w, y) * u).sum().backward()
     """, "linear_token_logprobs under a per-token upstream, 8192 x 256 x 32000 fp32, none ignored"),
-    "logits_half_ignored": ("""
-        x = (torch.randn(8192, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (8192,))
-        y.view(-1, 512)[:, :256] = -100; u = torch.randn(8192)
-        def step():
-            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
-    """, "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', half ignored"),
-    "logits_none_ignored": ("""
-        x = (torch.randn(8192, 32000) * 2).requires_grad_(); y = torch.randint(0, 32000, (8192,)); u = torch.randn(8192)
-        def step():
-            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
-    """, "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', none ignored"),
-    "narrow_half_ignored": ("""
-        x = (torch.randn(16384, 256) * 2).requires_grad_(); y = torch.randint(0, 256, (16384,))
-        y.view(-1, 512)[:, :256] = -100; u = torch.randn(16384)
-        def step():
-            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
-    """, "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', half ignored"),
-    "narrow_none_ignored": ("""
-        x = (torch.randn(16384, 256) * 2).requires_grad_(); y = torch.randint(0, 256, (16384,)); u = torch.randn(16384)
-        def step():
-            x.grad = None; (lmloss.token_logprobs(x, y) * u).sum().backward()
-    """, "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', none ignored"),
+    "logits_half_ignored": (_logits_ignored(8192, 32000, half=True),
+                            "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', half ignored"),
+    "logits_none_ignored": (_logits_ignored(8192, 32000, half=False),
+                            "token_logprobs under a per-token upstream [8192, 32000] fp32, chunk 'auto', none ignored"),
+    # a narrow vocabulary, where a skipped gap costs more than its rows (lmloss.rows.GAP_LOGITS)
+    "narrow_half_ignored": (_logits_ignored(16384, 256, half=True),
+                            "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', half ignored"),
+    "narrow_none_ignored": (_logits_ignored(16384, 256, half=False),
+                            "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', none ignored"),
 }
 
 #: The cases whose op takes ``invariant=`` (their code passes ``**INV``).
