@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import weakref
 
 import pytest
@@ -634,3 +635,105 @@ def test_the_losses_are_registered_in_verls_registry(monkeypatch):
     with pytest.raises(ValueError, match="already has 'mine_cispo'"):
         LV.register_policy_losses("mine_")
     assert "mine_vanilla" not in registry  # nothing registered when one name is taken
+
+
+# ------------------------------------------------------------- verl's clamps, masked values, defaults, options
+
+PPO_KL_CLAMPED = ["vanilla", "cispo", "dppo_tv", "dppo_kl", "sapo"]
+
+
+@pytest.mark.parametrize("log_ratio", [30.0, -30.0])
+@pytest.mark.parametrize("mode", PPO_KL_CLAMPED)
+def test_ppo_kl_clamps_the_log_ratio_to_twenty_as_verl(mode, log_ratio):
+    lp, old, adv, mask = rollout_batch(5)
+    old = old.clone()
+    old[1, 1] = lp[1, 1].detach() - log_ratio  # a counted token (column 1 always counts) far off-policy
+    want, got = both(mode, "token-mean", actor_config(mode), lp, old, adv, mask)
+    assert_equal_losses(got, want)
+    unclamped = (-(lp - old).detach()[mask]).mean().item()
+    # the clamp bites: that token's -log-ratio counts as -+20, not -+30
+    assert want[1]["actor/ppo_kl"] == pytest.approx(unclamped + math.copysign(10.0, log_ratio) / mask.sum().item())
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "dro", "sapo"])
+def test_a_masked_nan_or_neg_inf_is_never_read_where_verl_reads_it(mode):
+    # verl multiplies by the mask (NaN * 0 = NaN) where lmloss selects: with a NaN or -inf in a masked token's
+    # old log-prob, advantage or log-prob, lmloss's loss, gradient and metrics are verl's on the same batch with
+    # the finite value there, while verl's own call reads it (a NaN loss or gradient entry, for some of them)
+    lp, old, adv, mask = rollout_batch(6)
+    masked = tuple((~mask).nonzero()[-1].tolist())  # a masked token of a row with valid tokens
+    assert mask[masked[0]].any()
+    config = actor_config(mode)
+    verl_clean, _ = both(mode, "token-mean", config, lp, old, adv, mask)
+    verl_nan = []
+    for field in ("old_log_prob", "advantages", "log_prob"):
+        for poison in (float("nan"), float("-inf")):
+            poisoned = {"old_log_prob": old.clone(), "advantages": adv.clone(), "log_prob": lp.detach().clone()}
+            poisoned[field][masked] = poison
+            p_lp = poisoned["log_prob"].requires_grad_(True)
+            verl_poisoned, got = both(mode, "token-mean", config, p_lp, poisoned["old_log_prob"],
+                                      poisoned["advantages"], mask)  # fmt: skip
+            verl_nan.append(bool(verl_poisoned[0].isnan() or verl_poisoned[2].isnan().any()))
+            assert_equal_losses(got, verl_clean)
+    assert any(verl_nan)  # the departure is real: verl gives NaN on some of these batches
+
+
+def test_sapo_takes_verls_tau_neg_when_the_config_leaves_it_unset():
+    import types
+
+    lp, old, adv, mask = rollout_batch(7)
+    default = verl_support.actor_config(verl, loss_mode="sapo")  # tau_pos / tau_neg: verl's defaults
+    want, got = both("sapo", "seq-mean-token-mean", default, lp, old, adv, mask)
+    assert_equal_losses(got, want)
+    # a config without the fields at all (a plain namespace, or a YAML without them): verl's defaults still
+    unset = types.SimpleNamespace(**{k: v for k, v in vars(default).items() if k not in ("tau_pos", "tau_neg")})
+    loss, _ = LV.policy_loss_fn("sapo")(old, lp, adv, mask, config=unset)
+    torch.testing.assert_close(loss, want[0], **EXACT)
+    other = verl_support.actor_config(verl, loss_mode="sapo", tau_neg=1.0)
+    moved, _ = CA.POLICY_LOSS_REGISTRY["sapo"](old, lp, adv, mask, "seq-mean-token-mean", other)
+    assert abs(moved.item() - want[0].item()) > 1e-3  # tau_neg matters on this batch
+
+
+def test_backend_option_spellings():
+    assert LV.backend_options("lmloss:top_k=0").top_k is None  # 0 (TRL's off) and verl's -1 are off
+    assert LV.HeadOptions(top_k=0) == LV.HeadOptions(top_k=-1) == LV.HeadOptions()
+    assert LV.backend_options("lmloss:top_k=1").top_k == 1
+    for raw in ("1", "true", "True", "TRUE", "yes", "on"):
+        assert LV.backend_options(f"lmloss:invariant={raw}").invariant is True, raw
+    for raw in ("0", "false", "False", "no", "off"):
+        assert LV.backend_options(f"lmloss:invariant={raw}").invariant is False, raw
+    for raw in ("2", "maybe", "", "truee", "-1"):
+        with pytest.raises(ValueError, match=f"invariant={raw!r}"):
+            LV.backend_options(f"lmloss:invariant={raw}")
+
+
+def tiny_scaled_model(arch: str):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    config = {
+        "cohere": lambda: transformers.CohereConfig(logit_scale=0.3, **common),
+        "granite": lambda: transformers.GraniteConfig(logits_scaling=4.0, **common),
+    }[arch]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_a_models_own_logit_scale_is_applied_in_the_verl_head(arch, verl_env):
+    reference = tiny_scaled_model(arch)
+    model = lmloss_model(reference, verl_env)
+    kw = model_inputs("packed", temperature=0.7)
+    with torch.no_grad():
+        got = model(**kw)
+        logits = reference(input_ids=kw["input_ids"], position_ids=kw["position_ids"], use_cache=False).logits[0]
+        logp = (logits / 0.7).log_softmax(-1)  # the model's own logits: its scale applied
+        torch.testing.assert_close(got.log_probs[0], logp.gather(-1, kw["shift_labels"][0, :, None])[:, 0], **VALUES)
+        torch.testing.assert_close(got.entropy[0], -(logp.exp() * logp).sum(-1), **VALUES)
+        verl_torch = patching.dense_common.forward_with_torch_backend(reference, **kw)
+    assert not torch.allclose(verl_torch.log_probs, got.log_probs, atol=1e-2)  # the scale bites

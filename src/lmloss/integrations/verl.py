@@ -180,12 +180,17 @@ class HeadOptions:
         return dataclasses.asdict(self)
 
 
+# the spellings of a boolean option (YAML's and the command line's; compared lower-cased)
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def backend_options(spec: str) -> HeadOptions:
     """The options of a backend string: ``"lmloss"`` (the defaults) or ``"lmloss:key=value,key=value"``.
 
-    Keys are `HeadOptions`' fields: ``top_k`` (int), ``top_p`` / ``min_p`` (float), ``invariant``
-    (``true`` / ``false``), ``chunk_size`` (int, ``auto`` or ``none``), ``impl``, ``memory_budget_mib``
-    (MiB, or ``none``). Spaces are ignored.
+    Keys are `HeadOptions`' fields: ``top_k`` (int; ``0`` or negative: off), ``top_p`` / ``min_p`` (float),
+    ``invariant`` (``true`` / ``1`` / ``yes`` / ``on`` or ``false`` / ``0`` / ``no`` / ``off``, any case),
+    ``chunk_size`` (int, ``auto`` or ``none``), ``impl``, ``memory_budget_mib`` (MiB, or ``none``). Spaces
+    are ignored.
 
     Raises:
         ValueError: naming the backend string and the key or value it cannot read.
@@ -214,9 +219,9 @@ def backend_options(spec: str) -> HeadOptions:
             elif key in ("top_p", "min_p"):
                 value = float(raw)
             elif key == "invariant":
-                if low not in ("true", "false", "1", "0"):
+                if low not in _TRUE + _FALSE:
                     raise ValueError(raw)
-                value = low in ("true", "1")
+                value = low in _TRUE
             elif key == "chunk_size":
                 value = None if low in ("none", "null") else "auto" if low == "auto" else int(raw)
             elif key == "memory_budget_mib":
@@ -438,15 +443,28 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).item()
 
 
+#: The modes whose verl function clamps the log-ratio to [-20, 20] before its ``actor/ppo_kl`` metric (verl's
+#: ``negative_approx_kl``; ``bypass_mode``'s PPO-clip is ``vanilla``). The others report the unclamped mean.
+_PPO_KL_CLAMPED = ("vanilla", "dppo_tv", "dppo_kl", "sapo", "cispo")
+_VERL_LOG_RATIO_CLAMP = 20.0
+
+
 def _verl_metrics(loss_mode: str, metrics: dict[str, torch.Tensor], lp, old, mask) -> dict[str, float]:
-    """The metrics verl's function of `loss_mode` returns, under its keys, as Python floats."""
+    """The metrics verl's function of `loss_mode` returns, under its keys, as Python floats.
+
+    Means over `mask` read nothing at a masked token (a NaN or -inf there does not reach them, where verl's
+    ``masked_mean``, a product with the mask, gives NaN: docs/use_in_your_stack.md)."""
     if loss_mode == "gpg":
         return {}
     if loss_mode == "kl_cov":  # verl reports the mean |log ratio| for kl_cov
         return {"actor/ppo_kl": _masked_mean((lp - old).detach().abs(), mask)}
     if loss_mode in ("dro", "reinforce"):
         return {"actor/ppo_kl": metrics["ppo_kl"].item()}
-    out = {"actor/pg_clipfrac": metrics["pg_clipfrac"].item(), "actor/ppo_kl": metrics["ppo_kl"].item()}
+    ppo_kl = metrics["ppo_kl"].item()
+    if loss_mode in _PPO_KL_CLAMPED:  # verl clamps the log-ratio first: a ratio of e^30 reads as e^20 here
+        clamped = (lp - old).detach().clamp(-_VERL_LOG_RATIO_CLAMP, _VERL_LOG_RATIO_CLAMP)
+        ppo_kl = _masked_mean(-clamped, mask)
+    out = {"actor/pg_clipfrac": metrics["pg_clipfrac"].item(), "actor/ppo_kl": ppo_kl}
     if loss_mode != "clip_cov":
         out["actor/pg_clipfrac_lower"] = metrics["pg_clipfrac_lower"].item()
     return out
