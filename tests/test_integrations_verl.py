@@ -737,3 +737,125 @@ def test_a_models_own_logit_scale_is_applied_in_the_verl_head(arch, verl_env):
         torch.testing.assert_close(got.entropy[0], -(logp.exp() * logp).sum(-1), **VALUES)
         verl_torch = patching.dense_common.forward_with_torch_backend(reference, **kw)
     assert not torch.allclose(verl_torch.log_probs, got.log_probs, atol=1e-2)  # the scale bites
+
+
+# ------------------------------------------------------- verl's engine step: the reference, the kept-set warning
+
+TOP_P = 0.8
+
+
+@pytest.fixture
+def engine(verl_env, monkeypatch):
+    loaded = verl_support.load_engine()
+    monkeypatch.setattr(loaded.transformer_impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(loaded.transformer_impl, "get_device_name", lambda: "cpu")
+    return loaded
+
+
+def rl_micro_batch(engine, actor, *, prompt_lens=(4, 3), response_lens=(6, 4), P=4, R=6):
+    """verl's actor micro-batch for greedy responses of `actor` (inside any kept set): prompts left-padded,
+    responses right-padded, through verl's own ``left_right_2_no_padding``."""
+    g = torch.Generator().manual_seed(8)
+    B = len(prompt_lens)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    for b, (n_p, n_r) in enumerate(zip(prompt_lens, response_lens)):
+        ids = torch.randint(0, VOCAB, (1, n_p), generator=g)
+        with torch.no_grad():
+            for _ in range(n_r):
+                ids = torch.cat([ids, actor(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        prompts[b, P - n_p :], responses[b, :n_r] = ids[0, :n_p], ids[0, n_p:]
+    prompt_mask = torch.arange(P)[None] >= P - torch.tensor(prompt_lens)[:, None]
+    response_mask = torch.arange(R)[None] < torch.tensor(response_lens)[:, None]
+    attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
+    td = engine.tu.get_tensordict(
+        {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+         "attention_mask": attention_mask, "response_mask": response_mask.long(),
+         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensor_dict={"temperature": 0.7, "use_remove_padding": True, "use_fused_kernels": True,
+                         "calculate_entropy": True},
+    )  # fmt: skip
+    return engine.padding.left_right_2_no_padding(td)
+
+
+def engine_log_probs(engine, model, micro_batch, *, forward_only: bool) -> torch.Tensor:
+    """verl's FSDP engine step (``forward_step`` as ``infer_batch`` runs it) -> the response log-probs [B, R]."""
+    step = verl_support.cpu_engine(engine.transformer_impl, model, forward_only=forward_only)
+    _, output = step.forward_step(micro_batch, loss_function=None, forward_only=True)
+    return engine.padding.no_padding_2_padding(output["model_output"]["log_probs"], micro_batch)
+
+
+def warped_log_probs(model, micro_batch, warpers=()):
+    """The reference: the model's logits / T over each row's tokens, transformers' warpers, log_softmax."""
+    out = []
+    for ids, n_r in zip(micro_batch["input_ids"].unbind(), micro_batch["response_mask"].sum(-1).tolist()):
+        logits = model(ids[None], use_cache=False).logits[0] / 0.7
+        for warper in warpers:
+            logits = warper(ids[None], logits)
+        lp = logits.log_softmax(-1)[:-1].gather(-1, ids[1:, None])[:, 0]
+        out.append(torch.nn.functional.pad(lp[-n_r:], (0, micro_batch["responses"].shape[1] - n_r)))
+    return torch.stack(out)
+
+
+def test_the_reference_is_scored_on_its_full_distribution_and_the_kl_stays_finite(engine, verl_env):
+    actor_model, ref_model = tiny_model("llama"), tiny_model("llama", seed=1)  # the actor has moved away
+    backend = f"lmloss:top_p={TOP_P}"
+    actor, ref = lmloss_model(actor_model, verl_env, backend), lmloss_model(ref_model, verl_env, backend)
+    batch = rl_micro_batch(engine, actor_model)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        want_actor = warped_log_probs(actor_model, batch, [transformers.TopPLogitsWarper(TOP_P)])
+        want_ref = warped_log_probs(ref_model, batch)
+        ref_truncated = warped_log_probs(ref_model, batch, [transformers.TopPLogitsWarper(TOP_P)])
+    assert torch.isneginf(ref_truncated[mask]).any()  # a truncated reference would score some token -inf
+    got_ref = engine_log_probs(engine, ref, batch, forward_only=True)
+    torch.testing.assert_close(got_ref[mask], want_ref[mask], **VALUES)
+    got_actor = engine_log_probs(engine, actor, batch, forward_only=False)  # the actor's engine: truncated
+    torch.testing.assert_close(got_actor[mask], want_actor[mask], **VALUES)
+    for kl_type in ("kl", "abs", "mse", "low_var_kl"):  # verl's KL penalty on the two: finite everywhere
+        kl = CA.kl_penalty(got_actor, got_ref, kl_type)
+        assert torch.isfinite(kl[mask]).all(), kl_type
+        want = CA.kl_penalty(want_actor, want_ref, kl_type)
+        torch.testing.assert_close(kl[mask], want[mask], **VALUES)
+
+
+def test_the_kept_set_warning_counts_response_tokens_only(engine, verl_env):
+    import warnings
+
+    plain = tiny_model("llama")
+    model = lmloss_model(plain, verl_env, f"lmloss:top_p={TOP_P}")
+    batch = rl_micro_batch(engine, plain)
+    step = verl_support.cpu_engine(engine.transformer_impl, model, forward_only=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeptSetWarning)  # every response token is inside: silent
+        _, output = step.forward_step(batch, loss_function=None, forward_only=True)
+    assert torch.isneginf(output["model_output"]["log_probs"].values()).any()  # prompt positions are -inf
+    # a response's last token outside the kept set (the least likely after its context): counted, once
+    responses = batch["responses"].clone()
+    with torch.no_grad():
+        context = batch["input_ids"].unbind()[0]
+        n_p = context.numel() - int(batch["response_mask"][0].sum())
+        responses[0, 5] = plain(context[None], use_cache=False).logits[0, n_p + 4].argmin()
+    moved = rl_micro_batch_from(engine, batch, responses)
+    with pytest.warns(KeptSetWarning, match=r"1 label\(s\) of the 10 counted \(verl's response_mask\)"):
+        got = engine_log_probs(engine, model, moved, forward_only=False)
+    assert torch.isneginf(got).sum() == 1 and torch.isneginf(got[0, 5])
+
+
+def rl_micro_batch_from(engine, batch, responses):
+    """`batch` with other responses (the same lengths)."""
+    prompts = batch["prompts"]
+    P, R = prompts.shape[1], responses.shape[1]
+    response_mask = batch["response_mask"]
+    lens = batch["input_ids"].offsets().diff() - response_mask.sum(-1)
+    prompt_mask = torch.arange(P)[None] >= P - lens[:, None]
+    attention_mask = torch.cat([prompt_mask, response_mask.bool()], 1).long()
+    td = engine.tu.get_tensordict(
+        {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+         "attention_mask": attention_mask, "response_mask": response_mask,
+         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensor_dict={"temperature": 0.7, "use_remove_padding": True, "use_fused_kernels": True,
+                         "calculate_entropy": True},
+    )  # fmt: skip
+    assert R == response_mask.shape[1]
+    return engine.padding.left_right_2_no_padding(td)

@@ -20,7 +20,10 @@ the same way (it imports verl).
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import logging
 import sys
 import types
@@ -117,3 +120,80 @@ def load_model_patch() -> SimpleNamespace:
         monkey_patch=monkey_patch, dense_common=dense_common, torch_functional=torch_functional,
         integration=integration,
     )  # fmt: skip
+
+
+class _PeftStub(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})  # a class verl's engine names in imports and annotations, never calls here
+
+
+class _PeftStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "peft" or name.startswith("peft."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _PeftStub(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+@contextlib.contextmanager
+def _peft_importable():
+    """peft stubbed during the import where it is not installed (verl's FSDP engine imports it at module level
+    for LoRA checkpoints; ``make venv`` does not install it); the stub modules are removed afterwards."""
+    if importlib.util.find_spec("peft") is not None:
+        yield
+        return
+    finder = _PeftStubFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == "peft" or n.startswith("peft.")]:
+            del sys.modules[name]
+
+
+def load_engine() -> SimpleNamespace:
+    """verl's FSDP LM engine module (``verl.workers.engine.fsdp.transformer_impl``), its micro-batch layout
+    (``verl.workers.utils.padding``, ``tensordict_utils``), and `lmloss.integrations.verl` hooked into it;
+    imported under the ray and peft stubs. Skips like `load`."""
+    import warnings
+
+    patching = load_model_patch()
+    # verl's engine package imports every other engine it can (megatron-core's is seconds): not needed here
+    others = [f"verl.workers.engine.{e}" for e in ("torchtitan", "veomni", "automodel", "mindspeed", "megatron")]
+    absent = {name: sys.modules.get(name) for name in others}
+    with _ray_importable(), _peft_importable(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sys.modules.update(dict.fromkeys(others))  # None: "import fails", which verl's package catches
+        try:
+            from verl.utils import tensordict_utils
+            from verl.workers.engine.fsdp import transformer_impl
+            from verl.workers.utils import padding
+        finally:
+            for name, module in absent.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+    patching.integration._hook_engine()  # what apply_monkey_patch does first in a worker
+    return SimpleNamespace(transformer_impl=transformer_impl, padding=padding, tu=tensordict_utils)
+
+
+def cpu_engine(engine_module, model, *, forward_only: bool):
+    """A ``FSDPEngineWithLMHead`` holding `model` as verl's engine holds its FSDP module, without the FSDP
+    set-up (one process, CPU): the attributes its ``forward_step`` reads. ``forward_only``: a reference's."""
+    import torch
+
+    engine = object.__new__(engine_module.FSDPEngineWithLMHead)
+    engine.__dict__.update(
+        module=model, engine_config=SimpleNamespace(forward_only=forward_only), use_ulysses_sp=False,
+        pad_to_length=False, _autocast_dtype=torch.float32,
+    )  # fmt: skip
+    return engine

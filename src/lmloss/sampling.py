@@ -177,19 +177,35 @@ class KeptSetWarning(UserWarning):
     """Labels outside the sampling kept set: the engine and the trainer disagree on the distribution."""
 
 
-def report_dropped(logprobs: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> int:
-    """Count the non-ignored labels whose log-prob is -inf (outside the kept set) and warn if any.
+def report_dropped(
+    logprobs: torch.Tensor,
+    labels: torch.Tensor | None,
+    ignore_index: int,
+    *,
+    counting: torch.Tensor | None = None,
+    counted_by: str | None = None,
+) -> int:
+    """Count the tokens that count whose log-prob is -inf (outside the kept set) and warn if any.
 
-    One host sync; skipped (returns 0) inside a compiled region.
+    A token counts where ``labels != ignore_index`` and, when given, where `counting` (bool, `logprobs`'
+    shape: the caller's mask, e.g. verl's ``response_mask``) is True; `labels` None: `counting` alone.
+    The warning says how many of how many counted tokens, and what counted them (`counted_by`, else the
+    labels / the mask). One host sync; skipped (returns 0) inside a compiled region.
     """
     if torch.compiler.is_compiling():
         return 0
-    n = int((torch.isneginf(logprobs) & (labels != ignore_index)).sum())
+    counted = torch.ones_like(logprobs, dtype=torch.bool) if labels is None else labels != ignore_index
+    if counting is not None:
+        counted = counted & counting.reshape(logprobs.shape).bool()
+    if counted_by is None:
+        counted_by = "labels != ignore_index" + (" and the caller's mask" if counting is not None else "")
+    n, total = (int(v) for v in torch.stack([(torch.isneginf(logprobs) & counted).sum(), counted.sum()]).tolist())
     if n:
         warnings.warn(
-            f"{n} label(s) lie outside the sampling kept set (top_k / top_p / min_p / support): their log-prob "
-            "is -inf with zero gradient. The rollout engine sampled them, so the trainer's truncation "
-            "differs from the engine's (parameters, temperature, or logits)",
+            f"{n} label(s) of the {total} counted ({counted_by}) lie outside the sampling kept set (top_k / "
+            "top_p / min_p / support): their log-prob is -inf with zero gradient. The rollout engine sampled "
+            "them, so the trainer's truncation differs from the engine's (parameters, temperature, or "
+            "logits), or the policy has moved since it sampled them (several optimizer steps per batch)",
             KeptSetWarning,
             stacklevel=3,
         )

@@ -56,7 +56,9 @@ import contextvars
 import dataclasses
 import importlib
 import math
+import sys
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,6 +67,7 @@ import torch
 import lmloss
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf
+from lmloss.sampling import KeptSetWarning, report_dropped
 
 try:
     from verl.models.transformers import monkey_patch as _verl_monkey_patch
@@ -333,6 +336,11 @@ def _ppo_head(
     temperature) -> fp32 ``(log_probs, entropy)`` of shape ``[...]``, by `lmloss.linear_token_logprobs`."""
     running = _RUNNING.get()
     options, transform = (running[1].options, running[1].transform) if running else (HeadOptions(), None)
+    kwargs = options.op_kwargs()
+    step = _STEP.get()
+    if step is not None and step.reference:  # the reference model: its own full distribution (see _EngineStep)
+        kwargs.update(top_k=None, top_p=None, min_p=None)
+    truncated = any(kwargs[k] is not None for k in ("top_k", "top_p", "min_p"))
     if isinstance(temperature, torch.Tensor):
         temperature = float(temperature)
     if transform is not None:
@@ -341,10 +349,15 @@ def _ppo_head(
         softcap = None
     if hidden_states.dtype != vocab_weights.dtype:
         hidden_states = hidden_states.to(vocab_weights.dtype)
-    with torch.autocast(vocab_weights.device.type, enabled=False):
+    with torch.autocast(vocab_weights.device.type, enabled=False), warnings.catch_warnings():
+        if step is not None and truncated:
+            # in verl's engine step the -inf are counted on the response tokens alone, after the step's outputs
+            # are laid out (_report_response_tokens): every prompt position and each sequence's last would count here
+            step.truncated = True
+            warnings.simplefilter("ignore", KeptSetWarning)
         return lmloss.linear_token_logprobs(
             hidden_states, vocab_weights, input_ids.long(), temperature=temperature, softcap=softcap,
-            return_entropy=True, **options.op_kwargs(),
+            return_entropy=True, **kwargs,
         )  # fmt: skip
 
 
@@ -383,12 +396,93 @@ def _patch_forward_with_backends(
         and isinstance(fused_kernels_backend, str)
         and fused_kernels_backend.split(":")[0].strip() == BACKEND
     ):
+        _hook_engine()  # the engine that builds this model (reference or actor) is loaded by now
         patch(model, backend_options(fused_kernels_backend))
         print(f"Using lmloss backend for fused kernels in {type(model).__name__} (this instance's forward)")
         return None
     return _VERL_PATCH_FORWARD_WITH_BACKENDS(
         model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend
     )
+
+
+# ------------------------------------------------------------------------------------- verl's engine step
+
+
+@dataclasses.dataclass
+class _EngineStep:
+    """The verl engine step whose forward is running (`_hook_engine`), as the head needs it.
+
+    reference: the engine is forward-only (``engine_config.forward_only``: verl builds its reference model in
+        such an engine; the actor's is not, its old log-probs included). The reference is scored on its own
+        full distribution, whatever the backend's truncation: the KL terms compare the policy under the
+        sampler with the reference model itself, and a token the sampler kept but the reference's truncation
+        would not stays finite (a truncated reference gave it -inf: an infinite or clamped KL).
+    truncated: the head ran under a kept set during this step (its -inf are counted after the step's
+        outputs are laid out, on the response tokens alone).
+    """
+
+    reference: bool
+    truncated: bool = False
+
+
+_STEP: contextvars.ContextVar[_EngineStep | None] = contextvars.ContextVar("lmloss_verl_engine_step", default=None)
+#: verl 0.9.1's FSDP engine, whose ``_build_module`` calls ``apply_monkey_patch`` (and so `patch`).
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+def _report_response_tokens(log_probs: torch.Tensor | None, micro_batch: Any) -> None:
+    """Warn (`lmloss.sampling.KeptSetWarning`) of the response tokens whose log-prob is -inf in a step's output:
+    the positions verl's losses read (``no_padding_2_padding``'s response slice, within ``response_mask``).
+    A micro-batch without ``responses`` (not an RL batch) counts every position."""
+    if log_probs is None:
+        return
+    log_probs = log_probs.detach()
+    keys = set(micro_batch.keys())
+    if {"prompts", "responses", "response_mask"} <= keys:
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        response = no_padding_2_padding(log_probs, micro_batch)
+        mask = micro_batch["response_mask"]
+        mask = mask.to_padded_tensor(0) if mask.is_nested else mask
+        report_dropped(response, None, 0, counting=mask.bool(), counted_by="verl's response_mask")
+    else:
+        values = log_probs.values() if log_probs.is_nested else log_probs
+        report_dropped(values, None, 0, counted_by="every position: no response_mask in the micro-batch")
+
+
+def _hook_engine() -> None:
+    """Wrap ``forward_step`` and ``prepare_model_outputs`` of verl's ``FSDPEngineWithLMHead`` once, if its
+    module is loaded (it is whenever its ``apply_monkey_patch`` runs; not imported here: it needs peft, ray...).
+
+    ``forward_step``: the step's `_EngineStep` for the head (a forward-only engine: the reference).
+    ``prepare_model_outputs``: after verl lays out the step's log-probs, the -inf among its response tokens are
+    counted (`_report_response_tokens`). Both call verl's method unchanged."""
+    cls = getattr(sys.modules.get(ENGINE_MODULE), "FSDPEngineWithLMHead", None)
+    if cls is None or getattr(cls.forward_step, "__lmloss_verl__", False):
+        return
+    verl_step, verl_outputs = cls.forward_step, cls.prepare_model_outputs
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        config = getattr(self, "engine_config", None)
+        token = _STEP.set(_EngineStep(reference=bool(getattr(config, "forward_only", False))))
+        try:
+            return verl_step(self, micro_batch, loss_function, forward_only)
+        finally:
+            _STEP.reset(token)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        model_output = verl_outputs(self, output, output_args, micro_batch, logits_processor_func)
+        step = _STEP.get()
+        if step is not None and step.truncated:
+            step.truncated = False
+            _report_response_tokens(model_output.get("log_probs"), micro_batch)
+        return model_output
+
+    for name, wrapper, verl_fn in (("forward_step", forward_step, verl_step),
+                                   ("prepare_model_outputs", prepare_model_outputs, verl_outputs)):  # fmt: skip
+        wrapper.__wrapped__, wrapper.__lmloss_verl__ = verl_fn, True  # type: ignore[attr-defined]
+        wrapper.__name__ = wrapper.__qualname__ = name
+        setattr(cls, name, wrapper)
 
 
 # ------------------------------------------------------------------------------------------ policy losses
@@ -691,3 +785,4 @@ _patch_forward_with_backends.__wrapped_verl__ = _VERL_PATCH_FORWARD_WITH_BACKEND
 _verl_monkey_patch.patch_forward_with_backends = _patch_forward_with_backends
 _verl_torch_functional.FusedLinearForPPO = FusedLinearForPPO
 register_policy_losses()
+_hook_engine()

@@ -236,6 +236,7 @@ def linear_policy_loss(
     """
     with_entropy = entropy_coeff != 0.0
     state: dict = {}
+    counted_by = "labels != ignore_index" + (" and mask" if mask is not None else "")  # the warning says it
     extra = dict(
         tau_pos=tau_pos, tau_neg=tau_neg, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
         clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
@@ -360,7 +361,7 @@ def linear_policy_loss(
             kl = kl.view(p.shape)
         aggregation = dict(loss_agg_mode=loss_agg_mode, token_weights=token_weights)
         if truncated:
-            report_dropped(lp, p.labels.view(p.shape), ignore_index)
+            report_dropped(lp, p.labels.view(p.shape), ignore_index, counting=mask, counted_by=counted_by)
             mask = mask & ~torch.isneginf(lp)
             lp = torch.where(mask, lp, 0.0)
             # left out of the objective, still in the denominators: the weights of the caller's mask
@@ -381,7 +382,9 @@ def linear_policy_loss(
     kl = outs[-1] if reference is not None else None
     metrics_mask = x.mask
     if truncated:
-        report_dropped(lp.view(p.shape), p.labels.view(p.shape), ignore_index)
+        report_dropped(
+            lp.view(p.shape), p.labels.view(p.shape), ignore_index, counting=x.mask.view(p.shape), counted_by=counted_by
+        )
         metrics_mask = x.mask & ~torch.isneginf(lp)
         lp = torch.where(metrics_mask, lp, 0.0)
     metrics_entropy = None if ent is None else torch.where(metrics_mask, ent, 0.0)
