@@ -57,7 +57,7 @@ def reward(completions, **kwargs):
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-def train(model: str, loss_type: str, *, patched: bool, tmp_path):
+def train(model: str, loss_type: str, *, patched: bool, tmp_path, method=None, **config):
     """Two GRPO steps of the model saved at `model` (TRL loads the policy and, for the KL, the reference
     from there); returns (logged losses and entropies, per-step gradients, peak bytes of the second training_step)."""
     prompts = [" ".join(f"t{(7 * i + j) % (VOCAB - 8) + 8}" for j in range(2 + i % 3)) for i in range(2)]
@@ -65,16 +65,20 @@ def train(model: str, loss_type: str, *, patched: bool, tmp_path):
         output_dir=str(tmp_path / f"{loss_type}-{patched}"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=2, num_iterations=2, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", report_to="none", use_cpu=True, logging_steps=1, save_strategy="no",
-        loss_type=loss_type, beta=0.04, seed=0, disable_tqdm=True, bf16=False,
+        loss_type=loss_type, seed=0, disable_tqdm=True, bf16=False, **{"beta": 0.04, **config},
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
         model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
     )  # fmt: skip
-    if patched:
+    if method is not None:  # a hand-written reference of the method
+        trainer._get_per_token_logps_and_entropies = method.__get__(trainer)
+    elif patched is True:
         assert lmloss_trl.patch(trainer) is trainer and lmloss_trl.is_patched(trainer)
         with pytest.raises(ValueError, match="already patched"):
             lmloss_trl.patch(trainer)
+    elif patched:  # patch's options
+        lmloss_trl.patch(trainer, **patched)
     grads, peaks = [], []
 
     class Grads(transformers.TrainerCallback):
@@ -92,14 +96,16 @@ def train(model: str, loss_type: str, *, patched: bool, tmp_path):
 
     trainer.training_step = measured
     trainer.train()
-    if patched:  # unpatch: TRL's own method again
+    if patched is True:  # unpatch: TRL's own method again
         lmloss_trl.unpatch(trainer)
         assert (
             trainer._get_per_token_logps_and_entropies.__func__
             is type(trainer)._get_per_token_logps_and_entropies
         )
     # the loss, and the entropy TRL logs (the mean over completion tokens of the method's entropies)
-    logged = [(h["loss"], h["entropy"]) for h in trainer.state.log_history if "loss" in h]
+    logged = [(h["loss"], h["entropy"]) + ((h["kl"],) if "kl" in h else ()) for h in trainer.state.log_history if "loss" in h]
+    if config:
+        return logged, grads, trainer.model
     return logged, grads, peaks[-1]  # step 1 also generates; step 2 is the loss step alone
 
 
@@ -164,3 +170,59 @@ def test_sampler_truncation_scores_under_the_generations_top_k_top_p_and_invaria
         op = lmloss.linear_token_logprobs(hidden, model.lm_head.weight, ids[:, -5:], temperature=0.7, top_k=30,
                                           top_p=0.8, invariant=True)  # fmt: skip
     assert torch.equal(logps, op)
+
+
+def reference_scoring(top_p: float):
+    """TRL's method as the semantics of ``patch(trainer, sampler_truncation=True)`` say, in plain PyTorch on the
+    model's logits: the policy under transformers' top-p warper (what generate() samples from) at the
+    temperature, a token outside its kept set on the full distribution; the reference on its full distribution."""
+
+    def method(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+               compute_aux_loss=False, **extra):  # fmt: skip
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = logits[:, -logits_to_keep - 1 : -1].float() / self.temperature
+        tokens = input_ids[:, -logits_to_keep:, None]
+        full = logits.log_softmax(-1)
+        if model is self.ref_model:
+            kept = full
+        else:
+            warped = transformers.TopPLogitsWarper(top_p)(None, logits.reshape(-1, VOCAB)).view_as(logits)
+            kept = warped.log_softmax(-1)
+        lp = kept.gather(-1, tokens)[..., 0]
+        lp = torch.where(torch.isneginf(lp), full.gather(-1, tokens)[..., 0], lp)
+        entropy = -(kept.exp() * kept.masked_fill(torch.isneginf(kept), 0.0)).sum(-1)
+        scored = attention_mask[:, -logits_to_keep:] == 1
+        return lp.masked_fill(~scored, 0.0), entropy.masked_fill(~scored, 0.0) if compute_entropy else None, None
+
+    return method
+
+
+def test_sampler_truncation_with_a_kl_trains_finite_with_the_reference_on_its_full_distribution(tmp_path):
+    # two GRPO steps with beta > 0 under the generation's top-p: the reference is scored on its full
+    # distribution (a truncated one gave -inf on sampled tokens it would not keep: kl inf, NaN parameters)
+    tiny_llama().save_pretrained(tmp_path / "model")
+    config = dict(top_p=0.6, temperature=1.3, beta=0.2)
+    losses, grads, model = train(str(tmp_path / "model"), "grpo", patched=dict(sampler_truncation=True),
+                                 tmp_path=tmp_path, **config)  # fmt: skip
+    ref_losses, ref_grads, ref_model = train(str(tmp_path / "model"), "grpo", patched=False, tmp_path=tmp_path,
+                                             method=reference_scoring(0.6), **config)  # fmt: skip
+    assert all(p.isfinite().all() for p in model.parameters())
+    assert torch.isfinite(torch.tensor(losses)).all() and len(losses) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert all(k > 0 for *_, k in losses)  # a KL was computed (and is finite)
+
+
+def test_sampler_truncation_with_a_kl_needs_a_separate_reference(tmp_path):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                          report_to="none", use_cpu=True, bf16=False, top_p=0.9, beta=0.1)  # fmt: skip
+    tiny_llama().save_pretrained(tmp_path / "model")
+    trainer = trl.GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args,
+                              processing_class=tokenizer(),
+                              train_dataset=datasets.Dataset.from_dict({"prompt": ["t9 t10"]}))  # fmt: skip
+    trainer.ref_model = None  # as TRL leaves it for a PEFT policy (the reference: the adapter disabled)
+    with pytest.raises(ValueError, match="separate ref_model"):
+        lmloss_trl.patch(trainer, sampler_truncation=True)
+    lmloss_trl.patch(trainer)  # no truncation: nothing to tell apart

@@ -765,8 +765,14 @@ def rl_micro_batch(engine, actor, *, prompt_lens=(4, 3), response_lens=(6, 4), P
             for _ in range(n_r):
                 ids = torch.cat([ids, actor(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         prompts[b, P - n_p :], responses[b, :n_r] = ids[0, :n_p], ids[0, n_p:]
-    prompt_mask = torch.arange(P)[None] >= P - torch.tensor(prompt_lens)[:, None]
-    response_mask = torch.arange(R)[None] < torch.tensor(response_lens)[:, None]
+    return verl_layout(engine, prompts, responses, torch.tensor(prompt_lens), torch.tensor(response_lens))
+
+
+def verl_layout(engine, prompts, responses, prompt_lens, response_lens):
+    """[B, P] left-padded prompts and [B, R] right-padded responses -> verl's no-padding micro-batch."""
+    P, R = prompts.shape[1], responses.shape[1]
+    prompt_mask = torch.arange(P)[None] >= P - prompt_lens[:, None]
+    response_mask = torch.arange(R)[None] < response_lens[:, None]
     attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
     td = engine.tu.get_tensordict(
         {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
@@ -836,26 +842,9 @@ def test_the_kept_set_warning_counts_response_tokens_only(engine, verl_env):
         context = batch["input_ids"].unbind()[0]
         n_p = context.numel() - int(batch["response_mask"][0].sum())
         responses[0, 5] = plain(context[None], use_cache=False).logits[0, n_p + 4].argmin()
-    moved = rl_micro_batch_from(engine, batch, responses)
+    response_lens = batch["response_mask"].sum(-1)
+    prompt_lens = batch["input_ids"].offsets().diff() - response_lens
+    moved = verl_layout(engine, batch["prompts"], responses, prompt_lens, response_lens)
     with pytest.warns(KeptSetWarning, match=r"1 label\(s\) of the 10 counted \(verl's response_mask\)"):
         got = engine_log_probs(engine, model, moved, forward_only=False)
     assert torch.isneginf(got).sum() == 1 and torch.isneginf(got[0, 5])
-
-
-def rl_micro_batch_from(engine, batch, responses):
-    """`batch` with other responses (the same lengths)."""
-    prompts = batch["prompts"]
-    P, R = prompts.shape[1], responses.shape[1]
-    response_mask = batch["response_mask"]
-    lens = batch["input_ids"].offsets().diff() - response_mask.sum(-1)
-    prompt_mask = torch.arange(P)[None] >= P - lens[:, None]
-    attention_mask = torch.cat([prompt_mask, response_mask.bool()], 1).long()
-    td = engine.tu.get_tensordict(
-        {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-         "attention_mask": attention_mask, "response_mask": response_mask,
-         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)},
-        non_tensor_dict={"temperature": 0.7, "use_remove_padding": True, "use_fused_kernels": True,
-                         "calculate_entropy": True},
-    )  # fmt: skip
-    assert R == response_mask.shape[1]
-    return engine.padding.left_right_2_no_padding(td)

@@ -17,8 +17,9 @@ Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise
 `patch` time. A model wrapped by another module at call time (multi-process DDP) raises a ``ValueError``:
 only unwrapped models (one process, or FSDP2, which does not wrap) are supported.
 
-``patch(trainer, sampler_truncation=True)`` scores every log-prob and entropy under the distribution the
-generation sampled from: the trainer's ``top_k`` / ``top_p`` / ``min_p`` (``args.generation_kwargs``
+``patch(trainer, sampler_truncation=True)`` scores the policy's log-probs and entropies (the old policy's
+too) under the distribution the generation sampled from, and the reference's on its full distribution (see
+`patch`): the trainer's ``top_k`` / ``top_p`` / ``min_p`` (``args.generation_kwargs``
 overriding them, as TRL does), after its temperature; what vLLM returns as ``processed_logprobs``, which
 TRL's importance-sampling correction compares with. ``invariant=True`` uses lmloss's batch-invariant head
 (docs/invariant.md: the head's bits, not the model body's).
@@ -72,6 +73,11 @@ def _fused_per_token_logps_and_entropies(
             f"lmloss.integrations.trl: the model is wrapped by {type(model).__name__} (multi-process DDP?); "
             "only unwrapped models (one process, FSDP2) are supported"
         )
+    options = state["options"]
+    reference = getattr(self, "ref_model", None)
+    if reference is not None and inner is self.accelerator.unwrap_model(reference):
+        options = {**options, "top_k": None, "top_p": None, "min_p": None}  # the reference: its full distribution
+    truncated = any(options.get(k) is not None for k in ("top_k", "top_p", "min_p"))
     batch_size = batch_size or input_ids.size(0)
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -83,9 +89,11 @@ def _fused_per_token_logps_and_entropies(
         with self.accelerator.autocast():
             out = hf.token_logprobs(
                 model, ids, labels, attention_mask=mask, temperature=self.temperature,
-                return_entropy=compute_entropy, **state["options"],
+                return_entropy=compute_entropy, **options,
             )  # fmt: skip
         logps, entropy = out if compute_entropy else (out, None)
+        if truncated:
+            logps = _full_where_dropped(self, model, ids, mask, labels, logps, options)
         all_logps.append(logps[:, -logits_to_keep:])
         if compute_entropy:
             # TRL's entropy is 0.0 where the label is not scored, as token_logprobs' (which does not compute
@@ -94,6 +102,26 @@ def _fused_per_token_logps_and_entropies(
             all_entropies.append(entropy[:, -logits_to_keep:].masked_fill(~scored, 0.0))
     entropies = torch.cat(all_entropies) if compute_entropy else None
     return torch.cat(all_logps), entropies, None
+
+
+def _full_where_dropped(self, model, ids, mask, labels, logps, options) -> torch.Tensor:
+    """`logps` with each scored token outside the policy's kept set (-inf) scored on the full distribution.
+
+    Such a token was sampled by the generation, so the policy scoring it has moved since (a later iteration
+    on the batch) or its truncation differs from the engine's (warned by the op). TRL's loss cannot take its
+    -inf: its KL estimator gives inf - inf = NaN there, and CISPO 0 * -inf. The rows holding one are scored
+    again (rare: the body runs once more for them alone), without truncation, at those tokens only."""
+    dropped = torch.isneginf(logps) & (labels != -100)
+    rows = dropped.any(-1).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return logps
+    again = labels[rows].masked_fill(~dropped[rows], -100)
+    with self.accelerator.autocast():
+        full = hf.token_logprobs(
+            model, ids[rows], again, attention_mask=mask[rows], temperature=self.temperature,
+            **{**options, "top_k": None, "top_p": None, "min_p": None},
+        )  # fmt: skip
+    return logps.index_put((rows,), torch.where(dropped[rows], full, logps[rows]))
 
 
 def generation_truncation(trainer: Any) -> dict[str, float | int | None]:
@@ -127,16 +155,22 @@ def patch(
     Args:
         trainer: a built ``trl.GRPOTrainer`` (or subclass) whose model is a ``transformers`` ``*ForCausalLM``.
         chunk_size: tokens per chunk of the fused op (`lmloss.linear_token_logprobs`'s argument).
-        sampler_truncation: score under the generation's ``top_k`` / ``top_p`` / ``min_p``
+        sampler_truncation: score the policy under the generation's ``top_k`` / ``top_p`` / ``min_p``
             (`generation_truncation`), the distribution the completions were sampled from; False (TRL's
-            own choice): the full softmax at the temperature.
+            own choice): the full softmax at the temperature. The reference model (``beta != 0``) is always
+            scored on its full distribution: the KL compares the policy under the sampler with the
+            reference model itself (a truncated reference scores a token it would not keep -inf: an
+            infinite KL, NaN parameters). A completion token outside the policy's kept set (the policy has
+            moved since it sampled it, or its truncation differs from the engine's: warned) is scored on
+            the policy's full distribution instead of -inf, which TRL's KL and CISPO terms turn into NaN.
         invariant: lmloss's batch-invariant head (docs/invariant.md).
         memory_budget_mib: what the fused head may hold beyond its inputs and their gradients (MiB; None:
             ``LMLOSS_CHUNK_BUDGET_MIB`` or the device's default).
 
     Raises:
         TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
-        ValueError: the trainer is already patched; its model's head cannot be reproduced (see
+        ValueError: the trainer is already patched; ``sampler_truncation`` with a KL (``beta != 0``) but no
+            separate ``ref_model`` (a PEFT policy); its model's head cannot be reproduced (see
             `lmloss.integrations.hf.head_transform`); ``args.cast_lm_head_to_fp32`` is set (the fused op
             computes in the head weight's dtype, so it would not be honoured).
     """
@@ -151,6 +185,17 @@ def patch(
         if model is not None:
             hf.head_transform(trainer.accelerator.unwrap_model(model))
     check_memory_budget(memory_budget_mib)
+    if (
+        sampler_truncation
+        and getattr(trainer, "beta", 0.0) != 0.0
+        and getattr(trainer, "ref_model", None) is None
+        and any(v is not None for v in generation_truncation(trainer).values())
+    ):
+        raise ValueError(
+            "trainer: sampler_truncation=True with beta != 0 needs a separate ref_model: here the reference is the "
+            "policy with its PEFT adapter disabled, whose calls cannot be told from the policy's, and the "
+            "reference must be scored on its full distribution (a truncated reference gives -inf: a NaN KL)"
+        )
     options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant), memory_budget_mib=memory_budget_mib)
     if sampler_truncation:
         options.update(generation_truncation(trainer))
