@@ -10,6 +10,8 @@ normalisation is TRL's code in both runs.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -207,7 +209,8 @@ def test_sampler_truncation_with_a_kl_trains_finite_with_the_reference_on_its_fu
     ref_losses, ref_grads, ref_model = train(str(tmp_path / "model"), "grpo", patched=False, tmp_path=tmp_path,
                                              method=reference_scoring(0.6), **config)  # fmt: skip
     assert all(p.isfinite().all() for p in model.parameters())
-    assert torch.isfinite(torch.tensor(losses)).all() and len(losses) == 2
+    # (TRL logs a NaN loss as None: without the full-distribution fallback, step 2's policy drops a token)
+    assert len(losses) == 2 and all(v is not None and math.isfinite(v) for row in losses for v in row), losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-4)
     for got, want in zip(grads, ref_grads):
         for name in want:
