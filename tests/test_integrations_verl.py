@@ -16,8 +16,9 @@ The policy losses: every registered mode x ``loss_agg_mode`` x with / without ``
 
 verl is imported by tests/verl_support.py (without its dependencies; ray stubbed). verl's
 ``apply_monkey_patch`` imports TRL's ``AutoModelForCausalLMWithValueHead`` when TRL is installed, which TRL
-1.16 no longer has: `verl_env` turns verl's ``is_trl_available`` off, and restores what verl's patch sets
-process-wide (the flash-attention hook, a class forward).
+1.16 no longer has: importing `lmloss.integrations.verl` makes verl skip that step when TRL lacks the class,
+so these tests run verl's patch with TRL 1.16 installed, as a worker with both extras would (`verl_env`
+restores what verl's patch sets process-wide: the flash-attention hook, a class forward).
 """
 
 from __future__ import annotations
@@ -104,11 +105,10 @@ def model_inputs(layout: str, temperature: float):
 
 @pytest.fixture
 def verl_env(monkeypatch):
-    """verl's ``apply_monkey_patch`` as a worker runs it (TRL off, see the module doc); whatever it sets
-    process-wide (the flash-attention hook) is restored after the test."""
+    """verl's ``apply_monkey_patch`` as a worker runs it (TRL 1.16 installed beside it, see the module doc);
+    whatever it sets process-wide (the flash-attention hook) is restored after the test."""
     from transformers.integrations import flash_attention
 
-    monkeypatch.setattr(patching.monkey_patch, "is_trl_available", lambda: False)
     monkeypatch.setattr(flash_attention, "_flash_attention_forward", flash_attention._flash_attention_forward)
     return patching.monkey_patch.apply_monkey_patch
 
@@ -848,3 +848,23 @@ def test_the_kept_set_warning_counts_response_tokens_only(engine, verl_env):
     with pytest.warns(KeptSetWarning, match=r"1 label\(s\) of the 10 counted \(verl's response_mask\)"):
         got = engine_log_probs(engine, model, moved, forward_only=False)
     assert torch.isneginf(got).sum() == 1 and torch.isneginf(got[0, 5])
+
+
+def test_verl_and_trl_share_one_environment(verl_env, monkeypatch):
+    # TRL 1.16 has no AutoModelForCausalLMWithValueHead: verl's apply_monkey_patch (run by verl_env in every
+    # test here) skips its state_dict patch instead of failing its import; a TRL that has the class gets it
+    trl = pytest.importorskip("trl")
+    assert not hasattr(trl, "AutoModelForCausalLMWithValueHead")
+    assert patching.monkey_patch.is_trl_available() is False
+    with pytest.raises(ImportError, match="AutoModelForCausalLMWithValueHead"):  # what verl's patch did
+        from trl import AutoModelForCausalLMWithValueHead  # noqa: F401
+    model = lmloss_model(tiny_model("llama"), verl_env)
+    assert LV.is_patched(model)
+
+    class ValueHead(torch.nn.Module):  # an older TRL's class
+        pass
+
+    monkeypatch.setattr(trl, "AutoModelForCausalLMWithValueHead", ValueHead, raising=False)
+    assert patching.monkey_patch.is_trl_available() is True
+    lmloss_model(tiny_model("llama"), verl_env)
+    assert "state_dict" in ValueHead.__dict__  # verl's patch of that class ran

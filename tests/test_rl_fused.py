@@ -288,3 +288,40 @@ def test_full_kl_to_a_reference_head_holds_chunk_buffers_not_a_tokens_by_vocab_t
         assert mem.peak_bytes <= bound, f"{(mem.peak_bytes - ce) / chunk_bytes:.2f} chunks above cross-entropy"
         assert bound < ce + n * v * 4  # the bound has teeth: one [N, V] fp32 tensor would not fit in it
         assert all(a.shape != (n, v) for a in mem.allocations)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "abs", "k2", "low_var_kl"])
+def test_under_the_samplers_top_p_the_kl_is_to_the_reference_on_its_full_distribution(kl_type):
+    # the policy scored under the sampler's top-p, the reference model on its full distribution: finite, and
+    # the plain math's loss and gradient; a reference scored under the top-p too (-inf on a sampled token its
+    # own kept set leaves out) is refused, naming ref_logprobs
+    from sampling_support import vllm_kept
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (3.0 / H**0.5)
+    ref_weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (3.0 / H**0.5)  # the policy moved far
+    top_p = torch.full((B * T,), 0.7, dtype=torch.float64)
+    kept = vllm_kept((hidden @ weight.T).view(-1, V), top_p=top_p).view(B, T, V)
+    labels = torch.multinomial(kept.view(-1, V).double(), 1, generator=g).view(B, T)  # the sampler's tokens
+    ref_logits = hidden @ ref_weight.T
+    ref_full = ref_logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+    ref_kept = vllm_kept(ref_logits.view(-1, V), top_p=top_p).view(B, T, V)
+    ref_truncated = ref_logits.masked_fill(~ref_kept, -torch.inf).log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+    assert torch.isneginf(ref_truncated).any()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp = (h @ w.T).masked_fill(~kept, -torch.inf).log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+    old = lp.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    want = ref_actor_loss("vanilla", "token-mean", lp, old, adv, torch.ones(B, T, dtype=torch.bool), ref=ref_full,
+                          kl_type=kl_type, kl_coef=0.3)  # fmt: skip
+    want_grads = torch.autograd.grad(want, (h, w))
+    common = dict(top_p=0.7, kl_loss_type=kl_type, kl_loss_coef=0.3, chunk_size=7)
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, metrics = lmloss.rl.linear_policy_loss(h2, w2, labels, old, adv, ref_logprobs=ref_full, **common)
+    torch.testing.assert_close(loss, want, **F64_TOL)
+    for got, expected in zip(torch.autograd.grad(loss, (h2, w2)), want_grads):
+        torch.testing.assert_close(got, expected, **F64_TOL)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    with pytest.raises(ValueError, match=r"ref_logprobs is -inf at \d+ counted token"):
+        lmloss.rl.linear_policy_loss(h2, w2, labels, old, adv, ref_logprobs=ref_truncated, **common)

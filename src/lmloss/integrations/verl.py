@@ -27,6 +27,15 @@ from lmloss's batch-invariant head (docs/invariant.md: the head's bits, not the 
   for every other backend.
 * ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY`` gains ``lmloss_<mode>`` for each of verl's modes
   (`register_policy_losses`); verl's own entries are not touched.
+* ``verl.models.transformers.monkey_patch.is_trl_available`` (read by ``apply_monkey_patch`` alone) also asks
+  whether TRL has the value-head class verl patches: TRL 1.16 removed it, and verl's ``apply_monkey_patch``
+  then failed whenever TRL was installed; now it skips that class's patch (`_is_trl_available`). TRL itself
+  is not changed.
+* Once verl's FSDP engine module is loaded (its ``apply_monkey_patch`` call is what patches a model),
+  ``FSDPEngineWithLMHead.forward_step`` and ``prepare_model_outputs`` are wrapped (`_hook_engine`): a
+  forward-only engine (the reference model's) scores its model on the full distribution whatever the
+  backend's truncation, and the `lmloss.sampling.KeptSetWarning` of a step counts its response tokens alone.
+  Both call verl's methods unchanged.
 
 No model class is changed: `patch` sets the forward of the one model instance (verl's own torch / triton /
 liger backends set the forward of the model's *class*). The forward it sets is verl's own
@@ -122,10 +131,13 @@ class HeadOptions:
     ``top_p == 1``, ``min_p == 0``; so ``top_k=${actor_rollout_ref.rollout.top_k}`` can be passed as is.
 
     Attributes:
-        top_k, top_p, min_p: score under the rollout engine's truncated distribution (vLLM's order: min-p,
-            top-k, top-p, after the temperature; docs/sampling.md). A sampled token outside the kept set the
-            trainer recomputes gets log-prob -inf (and lmloss warns); positions that score no sampled token
-            (the prompt, each sequence's last position) may too, and verl drops them from the loss.
+        top_k, top_p, min_p: score the actor under the rollout engine's truncated distribution (vLLM's
+            order: min-p, top-k, top-p, after the temperature; docs/sampling.md). A model verl builds in a
+            forward-only engine (the reference) is scored on its full distribution whatever these say (see
+            `_EngineStep`). A sampled token outside the kept set the trainer recomputes gets log-prob -inf
+            (and lmloss warns, in verl's engine step counting response tokens alone); positions that score
+            no sampled token (the prompt, each sequence's last position) may too, and verl drops them from
+            the loss.
         invariant: the head's outputs are the same bits whatever the batch, the packing and the chunking
             (docs/invariant.md; the model body's hidden states are not covered).
         chunk_size: tokens per chunk, ``"auto"`` (a memory budget) or None (one chunk).
@@ -775,6 +787,36 @@ def register_policy_losses(prefix: str = POLICY_LOSS_PREFIX) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- installation
+
+#: Where verl 0.9.1's ``apply_monkey_patch`` looks for TRL's value-head model class (whose ``state_dict`` it
+#: patches whenever TRL is installed): TRL 1.16 has it in neither place.
+_TRL_VALUE_HEAD = (("trl.experimental.ppo", "AutoModelForCausalLMWithValueHead"), ("trl", "AutoModelForCausalLMWithValueHead"))
+
+
+def _trl_has_value_head() -> bool:
+    for module, name in _TRL_VALUE_HEAD:
+        try:
+            if hasattr(importlib.import_module(module), name):
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def _is_trl_available() -> bool:
+    """verl's ``is_trl_available`` as its ``apply_monkey_patch`` asks it (its only use in that module): TRL is
+    installed *and* has the value-head class verl then patches. With TRL 1.16 (which removed the class: no model
+    of it can exist, so there is nothing to patch) verl skips that step instead of failing with ``ImportError:
+    cannot import name 'AutoModelForCausalLMWithValueHead' from 'trl'``; so the ``verl`` and ``trl`` extras share
+    one environment. With a TRL that has the class, verl's patch runs as written."""
+    return _VERL_IS_TRL_AVAILABLE() and _trl_has_value_head()
+
+
+_VERL_IS_TRL_AVAILABLE = getattr(
+    _verl_monkey_patch.is_trl_available, "__wrapped_verl__", _verl_monkey_patch.is_trl_available
+)
+_is_trl_available.__wrapped_verl__ = _VERL_IS_TRL_AVAILABLE  # type: ignore[attr-defined]
+_verl_monkey_patch.is_trl_available = _is_trl_available
 
 _VERL_PATCH_FORWARD_WITH_BACKENDS = getattr(
     _verl_monkey_patch.patch_forward_with_backends,

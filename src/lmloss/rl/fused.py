@@ -216,7 +216,11 @@ def linear_policy_loss(
             the other terms; its gradient is formed in the forward with the policy term.
         top_k, top_p, min_p, support: the sampler's distribution (as in `lmloss.linear_token_logprobs`):
             the objective runs on the kept set's renormalised log-probs and entropies, its gradient stays
-            on the kept set; tokens whose label lies outside it are left out of the objective (warned).
+            on the kept set; tokens whose label lies outside it are left out of the objective, their KL term
+            with it (warned, counting the tokens of `labels` and `mask`). `ref_logprobs` stay the reference
+            model's on its full distribution (score it without truncation): the KL compares the policy under
+            the sampler with the reference itself; a -inf there at a counted token (a truncated reference)
+            is refused with a ``ValueError``, since every KL estimate to it would be infinite or clamped.
         invariant: the per-token log-probs and entropies the objective sees are `linear_token_logprobs`'
             with ``invariant=True``: the same bits whatever the chunking, the batch and the TP degree, so that
             on the first pass over a batch whose `old_logprobs` came from that op (the same head, the same

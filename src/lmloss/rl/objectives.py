@@ -487,6 +487,23 @@ def check_weights_or_mode(token_weights: object, loss_agg_mode: str) -> None:
         )
 
 
+def check_reference_logprobs(ref_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """The reference's log-probs are those of its full distribution: -inf at a counted token is refused.
+
+    A reference scored under a sampler's truncation (top_k / top_p / min_p / support) gives -inf to a sampled
+    token its own kept set leaves out, and the KL to it is then infinite (``k1``, ``k2``, ``abs``) or silently
+    clamped with no gradient (``k3``). The KL term compares the policy under the sampler with the reference
+    model itself: score the reference without truncation. One host sync (skipped while compiling)."""
+    if torch.compiler.is_compiling():
+        return
+    n = int((torch.isneginf(ref_logprobs) & mask).sum())
+    if n:
+        raise ValueError(
+            f"ref_logprobs is -inf at {n} counted token(s): score the reference on its full distribution (no "
+            "top_k / top_p / min_p / support); a KL to a reference that gives a sampled token no mass is infinite"
+        )
+
+
 class PerToken:
     """The checked, masked per-token inputs of one call, flattened to ``[N]``: ``mask`` as bool, and
     ``mask_dtype``, the dtype of the mask the caller gave (verl adds its 1e-8 to a count in a dtype that
@@ -507,6 +524,8 @@ class PerToken:
                 v = check_per_token(k, v, shape).reshape(-1)
                 if k in CONSTANT_INPUTS:
                     check_constant(k, v)
+                if k == "ref_logprobs":
+                    check_reference_logprobs(v, self.mask)
                 setattr(self, k, _masked(self.mask, v))
             else:
                 setattr(self, k, None)
