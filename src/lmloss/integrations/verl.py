@@ -790,14 +790,16 @@ def register_policy_losses(prefix: str = POLICY_LOSS_PREFIX) -> list[str]:
 
 #: Where verl 0.9.1's ``apply_monkey_patch`` looks for TRL's value-head model class (whose ``state_dict`` it
 #: patches whenever TRL is installed): TRL 1.16 has it in neither place.
-_TRL_VALUE_HEAD = (("trl.experimental.ppo", "AutoModelForCausalLMWithValueHead"), ("trl", "AutoModelForCausalLMWithValueHead"))
+_TRL_VALUE_HEAD = (("trl", "AutoModelForCausalLMWithValueHead"), ("trl.experimental.ppo", "AutoModelForCausalLMWithValueHead"))
 
 
 def _trl_has_value_head() -> bool:
     for module, name in _TRL_VALUE_HEAD:
         try:
-            if hasattr(importlib.import_module(module), name):
-                return True
+            with warnings.catch_warnings():  # TRL warns on any import from trl.experimental
+                warnings.simplefilter("ignore")
+                if hasattr(importlib.import_module(module), name):
+                    return True
         except ImportError:
             continue
     return False
