@@ -325,3 +325,27 @@ def test_under_the_samplers_top_p_the_kl_is_to_the_reference_on_its_full_distrib
     assert all(torch.isfinite(v).all() for v in metrics.values())
     with pytest.raises(ValueError, match=r"ref_logprobs is -inf at \d+ counted token"):
         lmloss.rl.linear_policy_loss(h2, w2, labels, old, adv, ref_logprobs=ref_truncated, **common)
+
+
+def test_the_kept_set_warning_counts_the_tokens_of_the_callers_mask():
+    # a label outside the policy's kept set at a token the mask leaves out: not counted, no warning; the same
+    # token in the mask: counted once, the message says of how many and by what
+    import warnings
+
+    from sampling_support import vllm_kept
+
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (3.0 / H**0.5)
+    kept = vllm_kept((hidden @ weight.T).view(-1, V), top_p=torch.full((B * T,), 0.5, dtype=torch.float64))
+    labels = (hidden @ weight.T).argmax(-1)  # inside any kept set
+    labels[1, 2] = (~kept.view(B, T, V)[1, 2]).nonzero()[0, 0]  # outside
+    old, adv = torch.full((B, T), -1.0, dtype=torch.float64), torch.ones(B, T, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 2] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lmloss.sampling.KeptSetWarning)
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, mask=mask, top_p=0.5)
+    mask[1, 2], mask[0, 0] = True, False
+    with pytest.warns(lmloss.sampling.KeptSetWarning, match=rf"1 label\(s\) of the {B * T - 1} counted \(labels != ignore_index and mask\)"):
+        lmloss.rl.linear_policy_loss(hidden, weight, labels, old, adv, mask=mask, top_p=0.5)
