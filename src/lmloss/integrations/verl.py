@@ -449,17 +449,23 @@ def _report_response_tokens(log_probs: torch.Tensor | None, micro_batch: Any) ->
     if log_probs is None:
         return
     log_probs = log_probs.detach()
-    keys = set(micro_batch.keys())
-    if {"prompts", "responses", "response_mask"} <= keys:
+    if {"prompts", "responses", "response_mask"} <= set(micro_batch.keys()):
         from verl.workers.utils.padding import no_padding_2_padding
 
-        response = no_padding_2_padding(log_probs, micro_batch)
-        mask = micro_batch["response_mask"]
-        mask = mask.to_padded_tensor(0) if mask.is_nested else mask
-        report_dropped(response, None, 0, counting=mask.bool(), counted_by="verl's response_mask")
-    else:
-        values = log_probs.values() if log_probs.is_nested else log_probs
-        report_dropped(values, None, 0, counted_by="every position: no response_mask in the micro-batch")
+        try:  # the slice verl's ppo_loss reads; a layout it refuses costs the warning's precision, not the step
+            response = no_padding_2_padding(log_probs, micro_batch)
+        except (AssertionError, KeyError, RuntimeError, ValueError):
+            response = None
+        if response is not None:
+            mask = micro_batch["response_mask"]
+            mask = (mask.to_padded_tensor(0) if mask.is_nested else mask).bool()
+            counted = torch.zeros_like(response, dtype=torch.bool)
+            width = min(counted.shape[-1], mask.shape[-1])
+            counted[:, :width] = mask[:, :width]
+            report_dropped(response, None, 0, counting=counted, counted_by="verl's response_mask")
+            return
+    values = log_probs.values() if log_probs.is_nested else log_probs
+    report_dropped(values, None, 0, counted_by="every position: no response slice in the micro-batch")
 
 
 def _hook_engine() -> None:
