@@ -264,6 +264,9 @@ def sequence_stats(
             columns[name] = counted(t.detach())
     sums = sequence_sums(torch.stack(list(columns.values()), 1), seq, n_seq, cp_group)
     out = dict(zip(columns, sums.unbind(1)))
+    for name in ("n_tokens", "sft_tokens", "wpo_logps", *_METRIC_SUMS):  # counts and metrics: constants
+        if name in out:
+            out[name] = out[name].detach()
     if ref_logps is not None:
         if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (n_seq,):
             raise ValueError(f"ref_logps must be [S] = [{n_seq}] (one sum per sequence)")
@@ -496,7 +499,9 @@ def _reduce_metrics(sums: dict, dtype, device, group: ProcessGroup | None) -> di
     (TRL logs nothing then)."""
     names = list(sums)
     values = torch.stack([torch.as_tensor(sums[k][0], dtype=dtype, device=device).detach() for k in names]) if names else None
-    counts = torch.tensor([1.0 if sums[k][1] is None else float(sums[k][1]) for k in names], dtype=dtype, device=device)
+    counts = torch.stack(
+        [torch.as_tensor(1.0 if sums[k][1] is None else sums[k][1], dtype=dtype, device=device).detach() for k in names]
+    ) if names else None
     if names and group_size(group) > 1:
         both = torch.cat([values, counts])
         dist.all_reduce(both, group=group)
