@@ -35,8 +35,9 @@ FAMILIES = tuple(LOSS_TYPES)
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 #: DPO loss types that take an f-divergence other than reverse KL (TRL refuses the others).
 F_DIVERGENCE_LOSS_TYPES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
-#: How many loss types one spec may combine (MPO): the agreement vector has a slot for each.
-MAX_LOSS_TYPES = 8
+#: How many loss types one spec may combine (MPO: each at most once, so every DPO type): the agreement vector
+#: has a slot for each.
+MAX_LOSS_TYPES = len(LOSS_TYPES["dpo"])
 #: The agreement vector's fields, in order: the same length for every spec.
 AGREEMENT_FIELDS = (
     "family", *(f"loss_type_{i}" for i in range(MAX_LOSS_TYPES)), *(f"loss_weight_{i}" for i in range(MAX_LOSS_TYPES)),
