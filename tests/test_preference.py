@@ -65,17 +65,18 @@ def test_spec_defaults_sugar_and_agreement_vector():
 def ld_reference(mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """LD-DPO's weights as its paper states them: a completion's tokens up to its pair's shorter length weigh
     1, the rest alpha (mask [2B, T], chosen rows first)."""
-    w = torch.zeros(mask.shape, dtype=torch.float64)
-    b = mask.shape[0] // 2
+    rows = mask.tolist()
+    w = [[0.0] * len(r) for r in rows]
+    b = len(rows) // 2
     for i in range(b):
-        shared = min(int(mask[i].sum()), int(mask[b + i].sum()))
+        shared = min(sum(rows[i]), sum(rows[b + i]))
         for row in (i, b + i):
             k = 0
-            for t in range(mask.shape[1]):
-                if mask[row, t]:
+            for t, counted in enumerate(rows[row]):
+                if counted:
                     k += 1
-                    w[row, t] = 1.0 if k <= shared else alpha
-    return w
+                    w[row][t] = 1.0 if k <= shared else alpha
+    return torch.tensor(w, dtype=torch.float64)
 
 
 def batch(b=3, t=9, seed=0):
