@@ -54,8 +54,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lmloss.preference.spec import PreferenceSpec
-from lmloss.rl.aggregation import group_size, sequence_index, sequence_sums
+from lmloss.agreement import agree_over_group
+from lmloss.preference.spec import AGREEMENT_FIELDS, PreferenceSpec
+from lmloss.rl.aggregation import DTYPE_CODES, group_size, sequence_index, sequence_sums
 from lmloss.vocab_parallel import ProcessGroup
 
 __all__ = [
@@ -80,7 +81,9 @@ class SequenceStats:
     Paired families: ``S = 2B``, chosen ``[:B]``, rejected ``[B:]``. KTO: `desirable` marks each sequence;
     `kl_logps` / `ref_kl_logps` ``[S']`` are the policy's and the reference's log-prob sums of KTO's
     mismatched (prompt, completion) pairs, from which `kto_kl` estimates the batch KL (no gradient).
-    See the module docstring for what each field sums."""
+    See the module docstring for what each field sums.
+
+    Fields that are None are not known: `preference_loss` raises where its spec needs one."""
 
     logps: torch.Tensor
     n_tokens: torch.Tensor
@@ -94,6 +97,10 @@ class SequenceStats:
     entropy: torch.Tensor | None = None
     mean_logits: torch.Tensor | None = None
     top1: torch.Tensor | None = None
+    #: this rank's share of the loss: 1, or 1 / CP size where `sequence_stats` summed the sums over a
+    #: ``cp_group`` (every CP rank then holds the whole loss; the shares sum to it, lmloss's convention, and the
+    #: sums' all-reduce sums the gradients back)
+    loss_share: float = 1.0
 
     @property
     def num_sequences(self) -> int:
@@ -262,8 +269,12 @@ def sequence_stats(
     for name, t in zip(_METRIC_SUMS, (entropy, mean_logits, is_top1)):
         if t is not None:
             columns[name] = counted(t.detach())
+    if group_size(cp_group) > 1:  # the all-reduce below needs one shape on every CP rank: agree first
+        _agree(cp_group, "lmloss.preference.sequence_stats", spec, dtype, like=token_logps,
+               shape=dict(n_seq=n_seq, columns=_bits(columns)))  # fmt: skip
     sums = sequence_sums(torch.stack(list(columns.values()), 1), seq, n_seq, cp_group)
     out = dict(zip(columns, sums.unbind(1)))
+    out["loss_share"] = 1.0 / group_size(cp_group)
     for name in ("n_tokens", "sft_tokens", "wpo_logps", *_METRIC_SUMS):  # counts and metrics: constants
         if name in out:
             out[name] = out[name].detach()
@@ -276,6 +287,27 @@ def sequence_stats(
             raise ValueError(f"desirable must be a bool tensor [S] = [{n_seq}]")
         out["desirable"] = desirable.bool()
     return SequenceStats(**out)
+
+
+# ----------------------------------------------------------------------------------- the rank agreement
+
+#: `SequenceStats`' optional fields, in the order of their bit in the agreement.
+_OPTIONAL = ("ref_logps", "sft_logps", "sft_tokens", "wpo_logps", "desirable", "kl_logps", "ref_kl_logps",
+             "entropy", "mean_logits", "top1", "logps", "n_tokens")  # fmt: skip
+
+
+def _bits(present) -> int:
+    return sum(1 << i for i, name in enumerate(_OPTIONAL) if name in present)
+
+
+def _agree(group, what: str, spec: PreferenceSpec, dtype, *, like, shape: dict, error: BaseException | None = None):
+    """One all-gather over `group`: the spec (`PreferenceSpec.agreement_values`), the dtype and `shape`'s
+    fields must be equal on every rank, and a rank's failed check (`error`) raises on every rank
+    (`lmloss.agreement.agree_over_group`)."""
+    values = {**spec.agreement_values(), "dtype": DTYPE_CODES.get(dtype, 99), **shape}
+    text = ", ".join(f"{k}={v!r}" for k, v in sorted(spec.options().items()))
+    agree_over_group(group, what, (*AGREEMENT_FIELDS, "dtype", *shape), values, floats=AGREEMENT_FIELDS,
+                     error=error, like=like, text=text)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- the losses
@@ -394,10 +426,6 @@ def kto_kl(stats: SequenceStats, group: ProcessGroup | None = None) -> torch.Ten
 
 
 def _kto_terms(stats: SequenceStats, spec: PreferenceSpec, group) -> tuple[torch.Tensor, dict]:
-    if stats.desirable is None:
-        raise ValueError("family 'kto' needs SequenceStats.desirable (bool [S]: each sequence's label)")
-    if spec.loss_type == ("kto",) and stats.kl_logps is None:
-        raise ValueError("loss_type 'kto' needs SequenceStats.kl_logps / ref_kl_logps (the mismatched pairs' sums)")
     beta = spec.beta
     kl = kto_kl(stats, group) if spec.loss_type == ("kto",) else stats.logps.new_zeros(())
     d = stats.desirable
@@ -424,8 +452,6 @@ def _kto_terms(stats: SequenceStats, spec: PreferenceSpec, group) -> tuple[torch
 
 def _nll(stats: SequenceStats, b: int) -> torch.Tensor:
     """The chosen sequences' token-mean NLL over the SFT tokens (TRL's ``CrossEntropyLoss()`` on them)."""
-    if stats.sft_logps is None or stats.sft_tokens is None:
-        raise ValueError("this loss has an NLL term: SequenceStats.sft_logps / sft_tokens are needed")
     return -stats.sft_logps[:b].sum() / _clamped(stats.sft_tokens[:b].sum())
 
 
@@ -509,6 +535,23 @@ def _reduce_metrics(sums: dict, dtype, device, group: ProcessGroup | None) -> di
     return {k: values[i] / counts[i] for i, k in enumerate(names) if counts[i] > 0}
 
 
+def _check_stats(stats: SequenceStats, spec: PreferenceSpec) -> None:
+    """The sums `spec` needs are there, in a layout it can read (ValueError naming the field)."""
+    if spec.needs_reference and stats.ref_logps is None:
+        raise ValueError(f"family {spec.family!r} needs the reference's sums (SequenceStats.ref_logps)")
+    if spec.use_weighting and stats.wpo_logps is None:
+        raise ValueError("use_weighting (WPO) needs SequenceStats.wpo_logps")
+    if spec.needs_sft and (stats.sft_logps is None or stats.sft_tokens is None):
+        raise ValueError("this loss has an NLL term: SequenceStats.sft_logps / sft_tokens are needed")
+    if spec.family == "kto":
+        if stats.desirable is None:
+            raise ValueError("family 'kto' needs SequenceStats.desirable (bool [S]: each sequence's label)")
+        if spec.loss_type == ("kto",) and stats.kl_logps is None:
+            raise ValueError("loss_type 'kto' needs SequenceStats.kl_logps / ref_kl_logps (the mismatched pairs' sums)")
+    else:
+        _check_pairs(stats.num_sequences, f"family {spec.family!r}")
+
+
 def preference_loss(
     stats: SequenceStats, spec: PreferenceSpec, *, group: ProcessGroup | None = None
 ) -> PreferenceOutput:
@@ -518,7 +561,10 @@ def preference_loss(
     require grad). The loss is this rank's: TRL's mean over this rank's pairs (DPO, ORPO, CPO) or sequences
     (KTO), as each DDP rank computes it. `group` (the data-parallel group; None: one process) is where KTO's
     batch KL is averaged and the metrics are reduced (sums and counts over every rank's sequences, as TRL's
-    ``gather_for_metrics``); the loss's value does not depend on it except through KTO's KL.
+    ``gather_for_metrics``); the loss's value does not depend on it except through KTO's KL. Under `group`
+    the ranks first agree on the spec and on which sums they hold (one all-gather): a disagreement, or a
+    check failed on one rank, raises `lmloss.agreement.RankAgreementError` on every rank. ``stats.loss_share``
+    scales the loss (1 / CP size after a `sequence_stats` over ``cp_group``: the ranks' losses sum to it).
 
     Raises ValueError where `stats` lacks a sum the spec needs (the reference's for DPO / KTO, the NLL's for
     ORPO, CPO with ``cpo_alpha`` and DPO's ``sft``, ``wpo_logps`` with ``use_weighting``, ``desirable`` for
@@ -529,10 +575,17 @@ def preference_loss(
     if not isinstance(stats, SequenceStats):
         raise TypeError(f"stats must be a SequenceStats, got {type(stats).__name__}")
     n_seq = stats.num_sequences
-    if spec.needs_reference and stats.ref_logps is None:
-        raise ValueError(f"family {spec.family!r} needs the reference's sums (SequenceStats.ref_logps)")
-    if spec.use_weighting and stats.wpo_logps is None:
-        raise ValueError("use_weighting (WPO) needs SequenceStats.wpo_logps")
+    error = None
+    try:
+        _check_stats(stats, spec)
+    except ValueError as e:
+        error = e
+    if group_size(group) > 1:  # the metrics' all-reduce (and KTO's KL) need one shape: agree, raise alike
+        present = {f.name for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None}
+        _agree(group, "lmloss.preference.preference_loss", spec, stats.logps.dtype, like=stats.logps,
+               shape=dict(fields=_bits(present)), error=error)  # fmt: skip
+    if error is not None:
+        raise error
     if spec.family == "kto":
         loss, sums = _kto_terms(stats, spec, group)
         b = 0
@@ -541,6 +594,7 @@ def preference_loss(
         b = n_seq // 2
         terms = {"dpo": _dpo_terms, "orpo": _orpo_terms, "cpo": _cpo_terms}[spec.family]
         loss, sums = terms(stats, spec, b)
+    loss = loss * stats.loss_share
     sums.update(_by_product_sums(stats, spec, b))
     metrics = _reduce_metrics(sums, stats.logps.dtype, stats.logps.device, group)
     if spec.family == "kto" and "rewards/chosen" in metrics and "rewards/rejected" in metrics:
