@@ -2,8 +2,8 @@
 
 Every preference loss is a function of a few sums over each sequence's tokens (the policy's log-probs, the
 reference's, the token count, ...). This module is that function and the sums' definition; whoever makes the
-per-token log-probs (the caller, `lmloss.linear_token_logprobs`, the fused preference op of
-`lmloss.preference.fused`, `lmloss.integrations.trl`) forms the sums and calls it.
+per-token log-probs (the caller, `lmloss.linear_token_logprobs`, a fused op on the chunk loop,
+`lmloss.integrations.trl`) forms the sums and calls it.
 
 The interface (stable: the fused op and the TRL patch call it):
 
@@ -17,7 +17,7 @@ The interface (stable: the fused op and the TRL patch call it):
 * `sequence_stats` (per-token tensors, padded ``[S, T]`` + mask or packed ``[N]`` + ``cu_seqlens`` /
   ``sequence_ids``) -> `SequenceStats`: every sum in one ``index_add`` (`lmloss.rl.aggregation.
   sequence_sums`, summed over ``cp_group`` when the sequences are split over context-parallel ranks).
-* `preference_loss` (stats, spec) -> `PreferenceOutput` ``(loss, metrics)``: the scalar loss, differentiable
+* `preference_loss` (stats, spec, group=None) -> `PreferenceOutput` ``(loss, metrics)``: the scalar loss, differentiable
   by autograd in ``stats.logps`` and ``stats.sft_logps`` (the sums a fused op sends back per token:
   ``d loss / d logp_t = d loss / d logps[s] · w_t + d loss / d sft_logps[s] · [t in sft set]``), and TRL's
   logged metrics, detached.
