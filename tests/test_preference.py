@@ -210,3 +210,15 @@ def test_errors_name_what_is_missing():
         sequence_stats(logps, mask[:, :-1], PreferenceSpec())
     with pytest.raises(TypeError, match="spec"):
         preference_loss(sequence_stats(logps, mask, PreferenceSpec(family="orpo")), {"family": "orpo"})
+
+
+def test_low_precision_log_probs_are_summed_in_float32():
+    logps, ref, mask = batch()
+    spec = PreferenceSpec()
+    half = logps.to(torch.bfloat16).requires_grad_(True)
+    stats = sequence_stats(half, mask, spec, ref_token_logps=ref.to(torch.bfloat16))
+    assert stats.logps.dtype == torch.float32
+    want = (half.detach().float() * mask).sum(1)
+    torch.testing.assert_close(stats.logps, want, rtol=1e-6, atol=1e-6)
+    preference_loss(stats, spec).loss.backward()
+    assert half.grad.dtype == torch.bfloat16 and half.grad[mask].ne(0).all()

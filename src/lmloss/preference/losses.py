@@ -225,7 +225,10 @@ def sequence_stats(
         entropy, mean_logits, is_top1: per-token by-products for the metrics (entropy, the mean logit over
             the vocabulary, whether the label is the argmax), same shape.
         desirable: bool ``[S]``, KTO's label of each sequence.
-        cp_group: the context-parallel group the sequences are split over: the sums are summed over it.
+        cp_group: the context-parallel group the sequences are split over: the sums are summed over it (and
+            ``loss_share`` is 1 / its size).
+
+    Returns the sums in the per-token log-probs' dtype, float32 at least.
     """
     if not isinstance(token_logps, torch.Tensor) or not token_logps.is_floating_point():
         raise TypeError("token_logps must be a floating torch.Tensor")
@@ -249,7 +252,8 @@ def sequence_stats(
                 "and pass them as token_weights"
             )
         token_weights = per_token_weights(mask, spec, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, dtype=token_logps.dtype)
-    dtype = token_logps.dtype
+    # the sums in float32 at least (a bf16 sum of a long completion's log-probs would lose the margin)
+    dtype = torch.promote_types(token_logps.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=token_logps.device)
 
     def counted(t, where=mask):  # uncounted positions may hold anything (-inf, nan): never multiplied
@@ -614,8 +618,12 @@ def preference_loss_from_logprobs(
     sft_mask: torch.Tensor | None = None,
     log_sum_sq_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    mean_logits: torch.Tensor | None = None,
+    is_top1: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
     desirable: torch.Tensor | None = None,
     kl_stats: SequenceStats | None = None,
+    cp_group: ProcessGroup | None = None,
     group: ProcessGroup | None = None,
 ) -> PreferenceOutput:
     """`preference_loss` of per-token log-probs: `sequence_stats`, then `preference_loss`.
@@ -623,8 +631,8 @@ def preference_loss_from_logprobs(
     `token_logps`, `mask` and the other per-token arguments as in `sequence_stats` (padded ``[2B, T]``
     with chosen rows first, or packed ``[N]`` with `cu_seqlens` / `sequence_ids`). KTO's mismatched pairs:
     `kl_stats`, the `SequenceStats` of their log-probs (``sequence_stats(kl_logps, kl_mask, spec,
-    ref_token_logps=ref_kl_logps)``; only its ``logps`` and ``ref_logps`` are read). `group`: as in
-    `preference_loss`.
+    ref_token_logps=ref_kl_logps)``; only its ``logps`` and ``ref_logps`` are read). `cp_group`: as in
+    `sequence_stats`; `group`: as in `preference_loss`.
 
     Example (DPO, sigmoid; reference log-probs per token)::
 
@@ -635,7 +643,8 @@ def preference_loss_from_logprobs(
     stats = sequence_stats(
         token_logps, mask, spec, ref_token_logps=ref_token_logps, ref_logps=ref_logps, cu_seqlens=cu_seqlens,
         sequence_ids=sequence_ids, sft_mask=sft_mask, log_sum_sq_probs=log_sum_sq_probs, entropy=entropy,
-        desirable=desirable,
+        mean_logits=mean_logits, is_top1=is_top1, token_weights=token_weights, desirable=desirable,
+        cp_group=cp_group,
     )  # fmt: skip
     if kl_stats is not None:
         stats.kl_logps, stats.ref_kl_logps = kl_stats.logps.detach(), kl_stats.ref_logps
