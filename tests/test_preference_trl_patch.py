@@ -80,7 +80,7 @@ CASES = [
                  label_smoothing=0.1, beta=0.5)),
     ("dpo", dict(loss_type=["sigmoid", "ipo"], f_divergence_type="js_divergence", ld_alpha=0.5,
                  precompute_ref_log_probs=True)),
-    ("kto", dict(loss_type="kto", beta=0.5, desirable_weight=1.3)),
+    ("kto", dict(loss_type="kto", beta=0.5, desirable_weight=1.3, precompute_ref_log_probs=True)),
     ("kto", dict(loss_type="apo_zero_unpaired")),
     ("orpo", dict(beta=0.5)),
     ("cpo", dict(loss_type="simpo", alpha=0.2, cpo_alpha=0.5, label_smoothing=0.1)),
@@ -117,3 +117,7 @@ def test_patch_refuses_what_it_does_not_reproduce(tmp_path):
     with pytest.raises(ValueError, match="already patched"):
         lmloss_trl.patch(trainer)
     assert trl_preference.preference_spec(trainer).loss_type == ("sigmoid",)
+    # TRL's deprecated return_outputs=True: the loss and the model's outputs with logits, as TRL returns them
+    batch = next(iter(trainer.get_train_dataloader()))
+    loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+    assert loss.requires_grad and outputs.logits.shape == (*batch["input_ids"].shape, S.VOCAB)

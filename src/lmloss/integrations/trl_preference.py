@@ -121,6 +121,15 @@ def _log(self, mode: str, metrics: dict[str, torch.Tensor], names) -> None:
             self._metrics[mode][name].append(metrics[name].item())
 
 
+def _with_outputs(model, model_kwargs: dict, loss: torch.Tensor, return_outputs: bool):
+    """TRL's ``return_outputs=True`` (deprecated there): the model's outputs, logits included, from one more
+    forward without gradient, as TRL's own method makes them."""
+    if not return_outputs:
+        return loss
+    with torch.no_grad():
+        return loss, model(**model_kwargs, use_cache=False)
+
+
 def _count_tokens(self, mode: str, attention_mask: torch.Tensor) -> None:
     """TRL's ``num_tokens`` bookkeeping (the attended tokens seen in training, over every process)."""
     if mode == "train":
@@ -151,9 +160,7 @@ def _dpo_compute_loss(self, model, inputs, return_outputs=False):
     _log(self, mode, out.metrics, ("entropy",))
     _count_tokens(self, mode, attn)
     _log(self, mode, out.metrics, _DPO_LOGGED[1:])
-    if return_outputs:
-        return out.loss, {"metrics": out.metrics}
-    return out.loss
+    return _with_outputs(model, {k: v for k, v in inputs.items() if k not in _DPO_KEYS}, out.loss, return_outputs)
 
 
 _KTO_KEYS = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
@@ -191,9 +198,7 @@ def _kto_compute_loss(self, model, inputs, return_outputs=False):
     _count_tokens(self, mode, attn)
     _log(self, mode, out.metrics, ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected",
                                    "rewards/margins"))  # fmt: skip
-    if return_outputs:
-        return out.loss, {"metrics": out.metrics}
-    return out.loss
+    return _with_outputs(model, {k: v for k, v in batch.items() if k not in _KTO_KEYS}, out.loss, return_outputs)
 
 
 _PAIRED_LOGGED = {
