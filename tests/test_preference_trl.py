@@ -174,11 +174,16 @@ def test_dpo_matches_trl_value_gradient_and_metrics(dpo, case):
 
 
 def test_dpo_alpha_divergence_matches_trl_in_float32(dpo):
-    """TRL's α-divergence runs in float32 only (its clamp table has no float64); both sides get float32
-    per-token log-probs here."""
+    """TRL's α-divergence raises in float64 (its clamp table has no float64); both sides get float32 per-token
+    log-probs for the comparison."""
     trainer, batch = dpo
     spec = PreferenceSpec(loss_type=("sigmoid", "hinge"), f_divergence="alpha_divergence", f_alpha=0.3, beta=1.0)
     configure_dpo(trainer, spec)
+    exact_head(trainer.model)
+    exact_head(trainer.ref_model)
+    with pytest.raises(KeyError):  # TRL's clamp table {float16, bfloat16, float32}[dtype]: no float64
+        trainer._compute_loss(trainer.model, batch, False)
+    assert torch.isfinite(lmloss_dpo(trainer, batch, spec).loss)  # lmloss: in the input's dtype
     exact_head(trainer.model, dtype=torch.float32)
     exact_head(trainer.ref_model, dtype=torch.float32)
     want = trainer._compute_loss(trainer.model, batch, False)
@@ -333,3 +338,16 @@ def test_cpo_matches_trl_value_gradient_and_metrics(cpo, case):
     out = lmloss_paired(trainer, batch, spec, padding_value=trainer.pad_token_id)
     assert_same(out.loss, grads_of(trainer.model, out.loss), want, want_grads)
     assert_metrics(out.metrics, logged, REWARD_METRICS)
+
+
+def test_dpo_sft_with_wpo_weighting_raises_in_trl_and_is_defined_here(dpo):
+    """A stated difference (docs/preference.md): TRL scales the expanded sft loss in place and raises; lmloss's
+    value is mean(w_c w_r) · nll (checked against the formula in tests/test_preference.py)."""
+    trainer, batch = dpo
+    spec = PreferenceSpec(loss_type=("sigmoid", "sft"), use_weighting=True)
+    configure_dpo(trainer, spec)
+    exact_head(trainer.model)
+    exact_head(trainer.ref_model)
+    with pytest.raises(RuntimeError, match="memory location"):
+        trainer._compute_loss(trainer.model, batch, False)
+    assert torch.isfinite(lmloss_dpo(trainer, batch, spec).loss)
