@@ -351,3 +351,17 @@ def test_dpo_sft_with_wpo_weighting_raises_in_trl_and_is_defined_here(dpo):
     with pytest.raises(RuntimeError, match="memory location"):
         trainer._compute_loss(trainer.model, batch, False)
     assert torch.isfinite(lmloss_dpo(trainer, batch, spec).loss)
+
+
+def test_stated_differences_empty_completion_and_alphapo_in_trl(cpo):
+    """The other stated differences, on TRL's own functions: an empty completion's average log-prob is 0 / 0
+    in ORPO's / CPO's ``get_batch_logps``, and AlphaPO's ``p.pow(-α)`` is inf where ``exp(logp)`` underflows
+    (lmloss's values there: tests/test_preference.py)."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    logits = torch.randn(1, 3, 5, dtype=torch.float64)
+    assert torch.isnan(ORPOTrainer.get_batch_logps(logits, torch.full((1, 3), -100), average_log_prob=True)).all()
+    trainer, _ = cpo
+    trainer.loss_type, trainer.alpha, trainer.beta, trainer.label_smoothing = "sigmoid", 0.1, 0.1, 0.0
+    losses, _, _ = trainer.cpo_loss(torch.tensor([-800.0], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64))
+    assert not torch.isfinite(losses).all()
