@@ -189,6 +189,39 @@ def _check_like(name: str, t: object, shape: torch.Size) -> torch.Tensor | None:
     return t
 
 
+def _check_sequence_args(token_logps, mask, spec, *, ref_token_logps, ref_logps, cu_seqlens, sequence_ids,
+                         token_weights, sft_mask, log_sum_sq_probs, entropy, mean_logits, is_top1, desirable,
+                         cp_group):
+    """`sequence_stats`' local checks; returns (mask as bool, each token's sequence, the number of sequences,
+    the token weights)."""
+    if not isinstance(token_logps, torch.Tensor) or not token_logps.is_floating_point():
+        raise TypeError("token_logps must be a floating torch.Tensor")
+    mask = _check_mask(mask)
+    shape = token_logps.shape
+    if mask.shape != shape:
+        raise ValueError(f"mask must have the shape of token_logps {tuple(shape)}, got {tuple(mask.shape)}")
+    for name, t in (("ref_token_logps", ref_token_logps), ("token_weights", token_weights),
+                    ("sft_mask", sft_mask), ("log_sum_sq_probs", log_sum_sq_probs), ("entropy", entropy),
+                    ("mean_logits", mean_logits), ("is_top1", is_top1)):  # fmt: skip
+        _check_like(name, t, shape)
+    if ref_token_logps is not None and ref_logps is not None:
+        raise ValueError("pass ref_token_logps (per token) or ref_logps (per sequence), not both")
+    if spec.needs_log_sum_sq_probs and log_sum_sq_probs is None:
+        raise ValueError("spec.use_weighting (WPO) needs log_sum_sq_probs (log Σ p² of each token's distribution)")
+    seq, n_seq = sequence_index(shape, token_logps.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="sequence_stats")
+    for name, t in (("ref_logps", ref_logps), ("desirable", desirable)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (n_seq,)):
+            raise ValueError(f"{name} must be a tensor [S] = [{n_seq}] (one value per sequence)")
+    if token_weights is None:
+        if spec.ld_alpha is not None and group_size(cp_group) > 1:
+            raise ValueError(
+                "ld_alpha under cp_group: compute per_token_weights on the whole sequences before the CP split "
+                "and pass them as token_weights"
+            )
+        token_weights = per_token_weights(mask, spec, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, dtype=token_logps.dtype)
+    return mask, seq, n_seq, token_weights
+
+
 def sequence_stats(
     token_logps: torch.Tensor,
     mask: torch.Tensor,
@@ -230,28 +263,25 @@ def sequence_stats(
 
     Returns the sums in the per-token log-probs' dtype, float32 at least.
     """
-    if not isinstance(token_logps, torch.Tensor) or not token_logps.is_floating_point():
-        raise TypeError("token_logps must be a floating torch.Tensor")
-    mask = _check_mask(mask)
-    shape = token_logps.shape
-    if mask.shape != shape:
-        raise ValueError(f"mask must have the shape of token_logps {tuple(shape)}, got {tuple(mask.shape)}")
-    for name, t in (("ref_token_logps", ref_token_logps), ("token_weights", token_weights),
-                    ("sft_mask", sft_mask), ("log_sum_sq_probs", log_sum_sq_probs), ("entropy", entropy),
-                    ("mean_logits", mean_logits), ("is_top1", is_top1)):  # fmt: skip
-        _check_like(name, t, shape)
-    if ref_token_logps is not None and ref_logps is not None:
-        raise ValueError("pass ref_token_logps (per token) or ref_logps (per sequence), not both")
-    if spec.needs_log_sum_sq_probs and log_sum_sq_probs is None:
-        raise ValueError("spec.use_weighting (WPO) needs log_sum_sq_probs (log Σ p² of each token's distribution)")
-    seq, n_seq = sequence_index(shape, token_logps.device, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, need="sequence_stats")
-    if token_weights is None:
-        if spec.ld_alpha is not None and group_size(cp_group) > 1:
-            raise ValueError(
-                "ld_alpha under cp_group: compute per_token_weights on the whole sequences before the CP split "
-                "and pass them as token_weights"
-            )
-        token_weights = per_token_weights(mask, spec, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, dtype=token_logps.dtype)
+    error, seq, n_seq = None, None, -1
+    try:  # this rank's checks; under cp_group a failure travels in the agreement and raises on every rank
+        mask, seq, n_seq, token_weights = _check_sequence_args(
+            token_logps, mask, spec, ref_token_logps=ref_token_logps, ref_logps=ref_logps, cu_seqlens=cu_seqlens,
+            sequence_ids=sequence_ids, token_weights=token_weights, sft_mask=sft_mask,
+            log_sum_sq_probs=log_sum_sq_probs, entropy=entropy, mean_logits=mean_logits, is_top1=is_top1,
+            desirable=desirable, cp_group=cp_group,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        error = e
+    if group_size(cp_group) > 1:  # the all-reduce below needs one shape on every CP rank: agree first
+        named = {"ref_logps": ref_token_logps, "sft_logps": spec.needs_sft or None, "wpo_logps": spec.use_weighting or None,
+                 "entropy": entropy, "mean_logits": mean_logits, "top1": is_top1}  # fmt: skip
+        like = token_logps if isinstance(token_logps, torch.Tensor) else None
+        dtype_of = token_logps.dtype if isinstance(token_logps, torch.Tensor) else None
+        _agree(cp_group, "lmloss.preference.sequence_stats", spec, dtype_of, like=like, error=error,
+               shape=dict(n_seq=n_seq, columns=_bits({k for k, v in named.items() if v is not None})))  # fmt: skip
+    if error is not None:
+        raise error
     # the sums in float32 at least (a bf16 sum of a long completion's log-probs would lose the margin)
     dtype = torch.promote_types(token_logps.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=token_logps.device)
@@ -273,9 +303,6 @@ def sequence_stats(
     for name, t in zip(_METRIC_SUMS, (entropy, mean_logits, is_top1)):
         if t is not None:
             columns[name] = counted(t.detach())
-    if group_size(cp_group) > 1:  # the all-reduce below needs one shape on every CP rank: agree first
-        _agree(cp_group, "lmloss.preference.sequence_stats", spec, dtype, like=token_logps,
-               shape=dict(n_seq=n_seq, columns=_bits(columns)))  # fmt: skip
     sums = sequence_sums(torch.stack(list(columns.values()), 1), seq, n_seq, cp_group)
     out = dict(zip(columns, sums.unbind(1)))
     out["loss_share"] = 1.0 / group_size(cp_group)
@@ -283,12 +310,8 @@ def sequence_stats(
         if name in out:
             out[name] = out[name].detach()
     if ref_logps is not None:
-        if not isinstance(ref_logps, torch.Tensor) or ref_logps.shape != (n_seq,):
-            raise ValueError(f"ref_logps must be [S] = [{n_seq}] (one sum per sequence)")
         out["ref_logps"] = ref_logps.to(dtype)
     if desirable is not None:
-        if not isinstance(desirable, torch.Tensor) or desirable.shape != (n_seq,):
-            raise ValueError(f"desirable must be a bool tensor [S] = [{n_seq}]")
         out["desirable"] = desirable.bool()
     return SequenceStats(**out)
 
