@@ -94,6 +94,7 @@ def worker(rank, world):
                                                ref_token_logps=ref[: [8, 6][rank], cols], cp_group=group),
         "cp_bad_mask_on_one_rank": lambda: sequence_stats(local.detach(), [mask[:, cols], mask][rank], spec,
                                                           ref_token_logps=ref[:, cols], cp_group=group),
+        "spec_type_on_one_rank": lambda: preference_loss(stats, [spec, {"family": "dpo"}][rank], group=group),
         "after_the_errors": lambda: preference_loss(stats, spec, group=group),
     }  # fmt: skip
     out["agreement"] = {name: _outcome(fn) for name, fn in scenarios.items()}
@@ -141,4 +142,5 @@ def test_ranks_agree_or_raise_alike(results):
     assert "ref_logps" in a["missing_ref_on_one_rank"]
     assert a["entropy_on_one_rank"].startswith("RankAgreementError") and "fields" in a["entropy_on_one_rank"]
     assert "n_seq" in a["cp_sequences"]
+    assert "PreferenceSpec" in a["spec_type_on_one_rank"]
     assert "rank 1" in a["cp_bad_mask_on_one_rank"] and "mask must have the shape" in a["cp_bad_mask_on_one_rank"]

@@ -597,22 +597,24 @@ def preference_loss(
     ORPO, CPO with ``cpo_alpha`` and DPO's ``sft``, ``wpo_logps`` with ``use_weighting``, ``desirable`` for
     KTO) or the paired families get an odd number of sequences.
     """
-    if not isinstance(spec, PreferenceSpec):
-        raise TypeError(f"spec must be a PreferenceSpec, got {type(spec).__name__}")
-    if not isinstance(stats, SequenceStats):
-        raise TypeError(f"stats must be a SequenceStats, got {type(stats).__name__}")
-    n_seq = stats.num_sequences
     error = None
-    try:
+    try:  # this rank's checks; under `group` a failure travels in the agreement and raises on every rank
+        if not isinstance(spec, PreferenceSpec):
+            raise TypeError(f"spec must be a PreferenceSpec, got {type(spec).__name__}")
+        if not isinstance(stats, SequenceStats):
+            raise TypeError(f"stats must be a SequenceStats, got {type(stats).__name__}")
         _check_stats(stats, spec)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         error = e
     if group_size(group) > 1:  # the metrics' all-reduce (and KTO's KL) need one shape: agree, raise alike
-        present = {f.name for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None}
-        _agree(group, "lmloss.preference.preference_loss", spec, stats.logps.dtype, like=stats.logps,
-               shape=dict(fields=_bits(present)), error=error)  # fmt: skip
+        valid = error is None or isinstance(stats, SequenceStats) and isinstance(spec, PreferenceSpec)
+        present = {f.name for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None} if valid else set()
+        like = stats.logps if valid else None
+        _agree(group, "lmloss.preference.preference_loss", spec if valid else PreferenceSpec(),
+               None if like is None else like.dtype, like=like, shape=dict(fields=_bits(present)), error=error)  # fmt: skip
     if error is not None:
         raise error
+    n_seq = stats.num_sequences
     if spec.family == "kto":
         loss, sums = _kto_terms(stats, spec, group)
         b = 0
