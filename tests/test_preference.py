@@ -206,6 +206,8 @@ def test_errors_name_what_is_missing():
         preference_loss_from_logprobs(logps, mask, PreferenceSpec(family="kto", loss_type="apo_zero_unpaired"), ref_token_logps=ref)
     with pytest.raises(ValueError, match="log_sum_sq_probs"):
         preference_loss_from_logprobs(logps, mask, PreferenceSpec(use_weighting=True), ref_token_logps=ref)
+    with pytest.raises(ValueError, match="labels != ignore_index"):
+        per_token_weights(torch.tensor([[-100, 5, 7], [-100, 2, -100]]), PreferenceSpec())
     with pytest.raises(ValueError, match="mask must have the shape"):
         sequence_stats(logps, mask[:, :-1], PreferenceSpec())
     with pytest.raises(TypeError, match="spec"):

@@ -171,7 +171,11 @@ def _check_mask(mask: object, name: str = "mask") -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dim() not in (1, 2):
         raise ValueError(f"{name} must be [S, T] (padded) or [N] (packed), got shape {tuple(mask.shape)}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    if mask.dtype == torch.bool:
+        return mask
+    if bool(((mask != 0) & (mask != 1)).any()):  # labels passed as a mask would count their -100s
+        raise ValueError(f"{name} must be bool or 0 / 1 (for labels pass labels != ignore_index)")
+    return mask != 0
 
 
 def _check_pairs(n_seq: int, what: str) -> None:
@@ -254,7 +258,8 @@ def sequence_stats(
             where a rank holds part of each sequence); default: computed here.
         sft_mask: the tokens of the NLL term (ORPO: the chosen sequences' prompt and completion; default
             `mask`).
-        log_sum_sq_probs: ``log Σ_v p_v²`` of each token's distribution (WPO), same shape.
+        log_sum_sq_probs: ``log Σ_v p_v²`` of each token's distribution (WPO; TRL's ``log_sum_sq_probs``),
+            same shape: ``logsumexp(2z) − 2·logsumexp(z)`` of the token's logits ``z``.
         entropy, mean_logits, is_top1: per-token by-products for the metrics (entropy, the mean logit over
             the vocabulary, whether the label is the argmax), same shape.
         desirable: bool ``[S]``, KTO's label of each sequence.
