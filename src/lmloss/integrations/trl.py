@@ -1,4 +1,6 @@
-"""TRL: ``trl.GRPOTrainer``'s per-token log-probs and entropies from lmloss's fused head.
+"""TRL: ``trl.GRPOTrainer``'s per-token log-probs and entropies from lmloss's fused head; the preference
+trainers (``DPOTrainer``, ``KTOTrainer``, ``trl.experimental``'s ``ORPOTrainer`` / ``CPOTrainer``): their loss
+and metrics through `lmloss.preference` (`lmloss.integrations.trl_preference`, where `patch` hands them).
 
 ``lmloss.integrations.trl.patch(trainer)`` (one line, after building the trainer) replaces one method of
 that trainer instance, ``_get_per_token_logps_and_entropies``: the one every log-prob of GRPO goes through
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from lmloss.chunks import check_memory_budget
-from lmloss.integrations import hf
+from lmloss.integrations import hf, trl_preference
 
 __all__ = ["generation_truncation", "is_patched", "patch", "unpatch"]
 
@@ -150,10 +152,12 @@ def patch(
     memory_budget_mib: float | None = None,
 ) -> Any:
     """Make `trainer` (a ``trl.GRPOTrainer``) compute its per-token log-probs and entropies with lmloss's fused
-    head. Returns the trainer.
+    head; a preference trainer its loss and metrics (`lmloss.integrations.trl_preference.patch`). Returns the
+    trainer.
 
     Args:
-        trainer: a built ``trl.GRPOTrainer`` (or subclass) whose model is a ``transformers`` ``*ForCausalLM``.
+        trainer: a built ``trl.GRPOTrainer``, ``DPOTrainer``, ``KTOTrainer`` or ``trl.experimental`` ``ORPOTrainer`` /
+            ``CPOTrainer`` (or a subclass) whose model is a ``transformers`` ``*ForCausalLM``.
         chunk_size: tokens per chunk of the fused op (`lmloss.linear_token_logprobs`'s argument).
         sampler_truncation: score the policy under the generation's ``top_k`` / ``top_p`` / ``min_p``
             (`generation_truncation`), the distribution the completions were sampled from; False (TRL's
@@ -168,12 +172,17 @@ def patch(
             ``LMLOSS_CHUNK_BUDGET_MIB`` or the device's default).
 
     Raises:
-        TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
+        TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer) and is not a
+            preference trainer (those: `lmloss.integrations.trl_preference.patch`).
         ValueError: the trainer is already patched; ``sampler_truncation`` with a KL (``beta != 0``) but no
             separate ``ref_model`` (a PEFT policy); its model's head cannot be reproduced (see
             `lmloss.integrations.hf.head_transform`); ``args.cast_lm_head_to_fp32`` is set (the fused op
             computes in the head weight's dtype, so it would not be honoured).
     """
+    if trl_preference.is_preference_trainer(trainer):  # DPO / KTO / ORPO / CPO: their own module
+        if sampler_truncation:
+            raise ValueError("sampler_truncation is for GRPO's generations; preference trainers score without it")
+        return trl_preference.patch(trainer, chunk_size=chunk_size, invariant=invariant, memory_budget_mib=memory_budget_mib)
     original = getattr(trainer, _METHOD, None)
     if original is None:
         raise TypeError(f"trainer: {type(trainer).__name__} has no {_METHOD} (expected a trl.GRPOTrainer)")
@@ -206,6 +215,8 @@ def patch(
 
 def unpatch(trainer: Any) -> Any:
     """Undo `patch`: the trainer's own method again. Returns the trainer."""
+    if trl_preference.is_patched(trainer):
+        return trl_preference.unpatch(trainer)
     if not is_patched(trainer):
         raise ValueError("trainer: not patched by lmloss.integrations.trl")
     delattr(trainer, _METHOD)  # the instance attribute; the class's method shows through again
@@ -215,4 +226,4 @@ def unpatch(trainer: Any) -> Any:
 
 def is_patched(trainer: Any) -> bool:
     """Whether `patch` has been applied to this trainer instance."""
-    return _STATE_ATTR in getattr(trainer, "__dict__", {})
+    return _STATE_ATTR in getattr(trainer, "__dict__", {}) or trl_preference.is_patched(trainer)
