@@ -1,0 +1,165 @@
+"""The by-products of the per-token ops' one pass (issue #42, item 3): the sum of the logits, the argmax and
+``log sum p**2`` (``return_logit_sum`` / ``return_argmax`` / ``return_log_sum_sq_probs``), against float64 math
+written here, for both implementations (Triton under its interpreter), one process (TP=2 in
+tests/distributed/test_vocab_parallel.py).
+
+``z = softcap(logits) / temperature`` is what the softmax sees; the by-products are of z over the valid vocabulary
+(the kept set under top-k), 0 (argmax -1) where the label is ignored, without gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmloss
+from impl_params import IMPLS
+from lmloss.kernels import ChunkMath
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, V, VALID, T, CAP = 10, 300, 290, 0.7, 6.0  # 10 padded columns; 300 > a Triton block: head, main and tail
+
+
+def _z(x: torch.Tensor, softcap=CAP, temperature=T) -> torch.Tensor:
+    z = x[..., :VALID].double()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def _logits(dtype=torch.float32, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g) * 3
+    x[:, VALID:] = 50.0  # padded columns: larger than any real one, so an argmax over them would show
+    labels = torch.randint(0, VALID, (N,), generator=g)
+    labels[3] = -100
+    x[1, 5] = x[1, 250] = 30.0  # a tie, the lower id at the row's head
+    x[2, 0] = x[2, VALID - 1] = 31.0  # a tie at the first and the last valid column
+    x[4, 7] = x[4, 200] = x[4, 9] = 29.0
+    return x.to(dtype), labels
+
+
+def _want(x, labels, *, top_k=None):
+    """float64 logit sum, argmax and log sum p^2 over the valid columns (the top_k largest with top_k)."""
+    z = _z(x)
+    if top_k is not None:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = torch.where(z >= kth, z, float("-inf"))
+    finite = torch.where(torch.isfinite(z), z, 0.0)
+    top = torch.where(z == z.amax(-1, keepdim=True), torch.arange(VALID), VALID).amin(-1)  # the lowest id
+    lsq = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+    valid = labels != -100
+    return torch.where(valid, finite.sum(-1), 0.0), torch.where(valid, top, -1), torch.where(valid, lsq, 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_logprobs_by_products_match_float64_and_leave_the_gradient_alone(impl):
+    x, labels = _logits()
+    x.requires_grad_(True)
+    opts = dict(temperature=T, softcap=CAP, vocab_size=VALID, impl=impl, chunk_size=4)
+    lp, ent, total, top, lsq = lmloss.token_logprobs(
+        x, labels, return_entropy=True, return_logit_sum=True, return_argmax=True, return_log_sum_sq_probs=True,
+        **opts,
+    )  # fmt: skip
+    want_sum, want_top, want_lsq = _want(x.detach(), labels)
+    assert top.dtype == torch.int64 and torch.equal(top, want_top)
+    assert top[3] == -1 and top[1] == 5 and top[2] == 0 and top[4] == 7
+    torch.testing.assert_close(total.double(), want_sum, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(lsq.double(), want_lsq, rtol=1e-5, atol=1e-5)
+    assert not (total.requires_grad or top.requires_grad or lsq.requires_grad) and lp.requires_grad
+    # the outputs and the gradient of the differentiable ones are those without the by-products
+    (lp.sum() + ent.sum()).backward()
+    y = x.detach().clone().requires_grad_(True)
+    lp0, ent0 = lmloss.token_logprobs(y, labels, return_entropy=True, **opts)
+    (lp0.sum() + ent0.sum()).backward()
+    assert torch.equal(lp, lp0) and torch.equal(ent, ent0) and torch.equal(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_under_top_k_the_by_products_are_of_the_kept_set(impl):
+    x, labels = _logits(seed=1)
+    kept = _z(x).topk(6, dim=-1).indices
+    labels = torch.where(labels == -100, labels, kept[:, 2])  # labels the sampler could have drawn
+    _, total, top, lsq = lmloss.token_logprobs(
+        x, labels, temperature=T, softcap=CAP, vocab_size=VALID, impl=impl, top_k=6, return_logit_sum=True,
+        return_argmax=True, return_log_sum_sq_probs=True,
+    )  # fmt: skip
+    want_sum, want_top, want_lsq = _want(x, labels, top_k=6)
+    assert torch.equal(top, want_top)
+    torch.testing.assert_close(total.double(), want_sum, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lsq.double(), want_lsq, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_entropy_and_the_fused_head_give_them_at_every_counted_position(impl):
+    """`token_entropy` (no labels: every position) and `linear_token_logprobs` (the head's matmul per chunk)."""
+    x, labels = _logits(seed=2)
+    entropy, total, top = lmloss.token_entropy(
+        x, temperature=T, softcap=CAP, vocab_size=VALID, impl=impl, return_logit_sum=True, return_argmax=True
+    )
+    want_sum, want_top, _ = _want(x, torch.zeros_like(labels))
+    assert torch.equal(top, want_top) and entropy.shape == (N,)
+    torch.testing.assert_close(total.double(), want_sum, rtol=1e-5, atol=1e-3)
+
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(N, 16, generator=g), torch.randn(V, 16, generator=g)
+    lp, top, lsq = lmloss.linear_token_logprobs(
+        hidden, weight, labels, temperature=T, vocab_size=VALID, impl=impl, chunk_size=3, return_argmax=True,
+        return_log_sum_sq_probs=True,
+    )  # fmt: skip
+    z = (hidden.double() @ weight.double().T)[:, :VALID] / T
+    valid = labels != -100
+    assert torch.equal(top, torch.where(valid, z.argmax(-1), -1))
+    want = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+    torch.testing.assert_close(lsq.double(), torch.where(valid, want, 0.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_invariant_mode_gives_the_same_bits_for_every_chunking_and_refuses_the_sum_of_squares(impl):
+    x, labels = _logits(seed=4)
+    opts = dict(temperature=T, softcap=CAP, vocab_size=VALID, impl=impl, invariant=True, return_logit_sum=True,
+                return_argmax=True)  # fmt: skip
+    whole = lmloss.token_logprobs(x, labels, chunk_size=None, **opts)
+    want_sum, want_top, _ = _want(x, labels)
+    assert torch.equal(whole[2], want_top)
+    torch.testing.assert_close(whole[1].double(), want_sum, rtol=1e-5, atol=1e-3)
+    for chunk in (1, 3):
+        assert all(torch.equal(a, b) for a, b in zip(lmloss.token_logprobs(x, labels, chunk_size=chunk, **opts), whole))
+    alone = lmloss.token_logprobs(x[5:6], labels[5:6], chunk_size=None, **opts)
+    assert all(torch.equal(a, b[5:6]) for a, b in zip(alone, whole))
+    with pytest.raises(ValueError, match="return_log_sum_sq_probs=True with invariant=True"):
+        lmloss.token_logprobs(x, labels, invariant=True, return_log_sum_sq_probs=True, impl=impl)
+
+
+def test_kernels_contract_columns_agree_between_implementations():
+    """`softmax_partials(..., sum_sq=True, argmax=True)`: the eight columns, PyTorch against Triton, on a shard
+    (vocab_start 100) with padded columns and the kept set of a threshold."""
+    if not lmloss.kernels.triton_available():
+        pytest.skip("triton is not installed")
+    from lmloss.kernels.torch_ref import TorchKernels
+    from lmloss.kernels.triton_kernels import TritonKernels
+
+    x, labels = _logits(seed=5)
+    math = ChunkMath(vocab_start=100, valid=VALID, scale=1 / T, softcap=CAP)
+    keep = x[:, :VALID].topk(9, dim=-1).values[:, -1]
+    keep[6] = float("inf")  # a row with no kept column on this shard: max -inf, id -1
+    for keep_min in (None, keep):
+        kw = dict(entropy=True, target=True, sum_logits=True, sum_sq=True, argmax=True, keep_min=keep_min)
+        got = TritonKernels().softmax_partials(x, labels + 100, math, **kw)
+        want = TorchKernels(N, V, x.device).softmax_partials(x, labels + 100, math, **kw)
+        assert got.shape == want.shape == (N, 8)
+        assert torch.equal(got[:, 7], want[:, 7]) and want[1, 7] == 105 and want[2, 7] == 100
+        rows = torch.arange(N) != 6 if keep_min is not None else torch.ones(N, dtype=torch.bool)
+        if keep_min is not None:
+            assert want[6, 7] == -1 and want[6, 6] == float("-inf") == got[6, 6]
+        # the softcap's tanh rounds differently in the two (lmloss.kernels.triton_kernels._tanh)
+        torch.testing.assert_close(got[rows, 5:7], want[rows, 5:7], rtol=1e-5, atol=0)
+
+
+def test_the_by_products_name_their_argument_when_refused():
+    x, labels = _logits()
+    with pytest.raises(TypeError, match="return_argmax must be a bool"):
+        lmloss.token_logprobs(x, labels, return_argmax=1)
+    with pytest.raises(ValueError, match="return_logit_sum=True with support="):
+        lmloss.token_logprobs(x, labels, support=torch.arange(2).repeat(N, 1), return_logit_sum=True)
