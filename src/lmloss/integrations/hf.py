@@ -222,18 +222,22 @@ def _settled_transform(model: torch.nn.Module, state: _PatchState) -> HeadTransf
     return settled
 
 
-def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_through(
+    module: torch.nn.Module, fn: Callable[..., Any], *args: Any, caller: torch.nn.Module | None = None, **kwargs: Any
+) -> Any:
     """``module(*args, **kwargs)`` with ``fn(module, *args, **kwargs)`` standing in for its forward.
 
     The module's forward pre- and post-hooks fire around `fn` (FSDP2 gathers the parameters before and
     frees them after, and registers its backward hooks on the output), which calling `fn` directly would
-    skip. The module's own forward is restored afterwards, also when `fn` raises.
+    skip. The module's own forward is restored afterwards, also when `fn` raises. `caller`: a wrapper whose
+    forward calls `module` (DDP): ``caller(*args, **kwargs)`` is called instead, so that its forward runs
+    around `fn` too (`lmloss.integrations.trl.run_as_forward`).
     """
     had_instance_forward = "forward" in module.__dict__
     saved = module.__dict__.get("forward")
     module.forward = lambda *a, **k: fn(module, *a, **k)
     try:
-        return module(*args, **kwargs)
+        return (module if caller is None else caller)(*args, **kwargs)
     finally:
         if had_instance_forward:
             module.forward = saved
