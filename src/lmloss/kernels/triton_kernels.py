@@ -336,7 +336,7 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
     if not SOFTCAP and SCALE:
         m = m * scale
     blk = b0 + tl.arange(0, GROUP)
-    out = out_ptr + (row * n_blocks + blk) * 5
+    out = out_ptr + (row * n_blocks + blk) * (5 if ARGMAX else 4)
     in_row = blk < n_blocks
     tl.store(out + 0, m, mask=in_row)
     tl.store(out + 1, s, mask=in_row)
@@ -373,7 +373,8 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
 # sum_y_b): the block's max of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0),
 # sum y. The sums are of fixed-point terms (2**-22 units of exp(y - m_b); sum y in 2**-22 units of the block's
 # largest |y|'s binary octave) in int32, exact: a block's sums depend on its own columns alone, whatever the row,
-# (and, with ARGMAX, out[row, b, 4] = the block's lowest column, within it, holding its max; out is [c, n_blocks, 5])
+# (and, with ARGMAX, out[row, b, 4] = the block's lowest column, within it, holding its max: out is then
+# [c, n_blocks, 5], else [c, n_blocks, 4])
 # the chunk, the shard, the alignment or the compiled layout. A row with a NaN y, or a +inf y, gets NaN s_b and t_b
 # in its first block (the combine makes the row NaN); sum_y_b is NaN / +-inf as a float sum of its non-finite y
 # would be. Also target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
@@ -413,9 +414,9 @@ def _block_partials_kernel(
                              ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, True, ARGMAX, BLOCK)  # fmt: skip
     if n_blocks > 0:  # a NaN or +inf y anywhere (an exp of NaN): the row's first block's sums are NaN
         nan = tl.sum(tl.sum(check, 1), 0)
-        tl.store(out_ptr + row * n_blocks * 5 + 1, float("nan"), mask=nan != nan)
+        tl.store(out_ptr + row * n_blocks * (5 if ARGMAX else 4) + 1, float("nan"), mask=nan != nan)
         if ENTROPY:
-            tl.store(out_ptr + row * n_blocks * 5 + 2, float("nan"), mask=nan != nan)
+            tl.store(out_ptr + row * n_blocks * (5 if ARGMAX else 4) + 2, float("nan"), mask=nan != nan)
 
 
 @triton.jit
@@ -818,7 +819,7 @@ def block_partials(
     shard, the rows' alignment or the compiled layout. Arguments as in `softmax_partials`."""
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
-    out = torch.zeros((rows, n_blocks, 5), dtype=torch.float32, device=x.device)
+    out = torch.zeros((rows, n_blocks, 5 if argmax else 4), dtype=torch.float32, device=x.device)
     tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows and n_blocks:
         values, flags = math_args(math, x)
