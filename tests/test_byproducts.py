@@ -157,6 +157,24 @@ def test_kernels_contract_columns_agree_between_implementations():
         torch.testing.assert_close(got[rows, 5:7], want[rows, 5:7], rtol=1e-5, atol=0)
 
 
+def test_triton_argmax_takes_the_lowest_column_of_many_ties_in_the_main_loop_and_the_edge():
+    """Integer logits (ties everywhere) over 301 columns: the rows start at different 16-byte offsets (head columns
+    walked after the main blocks), 16-column blocks give a long main loop; the id is PyTorch's first max."""
+    if not lmloss.kernels.triton_available():
+        pytest.skip("triton is not installed")
+    from lmloss.kernels import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 6, (8, 301), generator=g).float()
+    math = ChunkMath(vocab_start=7, valid=297)
+    for block_v in (16, None):
+        got = tk.softmax_partials(x, None, math, entropy=False, target=False, sum_logits=False, argmax=True,
+                                  sum_sq=True, block_v=block_v)  # fmt: skip
+        assert torch.equal(got[:, 7].long(), x[:, :297].argmax(-1) + 7), block_v
+        want = torch.exp(2 * (x[:, :297] - x[:, :297].amax(-1, keepdim=True))).sum(-1)
+        torch.testing.assert_close(got[:, 5], want, rtol=1e-5, atol=0)
+
+
 def test_the_by_products_name_their_argument_when_refused():
     x, labels = _logits()
     with pytest.raises(TypeError, match="return_argmax must be a bool"):

@@ -93,6 +93,11 @@ def cross_entropy_config(n_cols: int, softcap: bool) -> tuple[int, int, int]:
         return (*block_config(n_cols, FORWARD_BLOCKS), 1)
     return (*block_config(n_cols, CROSS_ENTROPY_BLOCKS), CROSS_ENTROPY_PROGRAMS_PER_SM)
 _MIN_BLOCK = 16
+#: The forward's largest BLOCK_V with the by-products (`softmax_partials`' sum_sq / argmax): at FORWARD_BLOCKS'
+#: 8192 x 16 warps, temperature + softcap + entropy + smoothing + both by-products took 128 registers and 41
+#: spills (static sm_90 compile, 128256 bf16 columns); at 4096 x 16 warps 87 registers, no spill, 42.5 instructions
+#: per element; the by-products alone at default options 64 registers, 17.0 per element (the plain kernel 10.5).
+BYPRODUCT_BLOCK_V = 4096
 
 
 def block_config(n_cols: int, table: tuple[tuple[float, int, int], ...]) -> tuple[int, int]:
@@ -187,11 +192,14 @@ def _lanes_reduce(m, s, t, s2, ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr, FAST
 
 
 @triton.jit
-def _lane_argmax(best, m, y, col):
-    # Each lane's lowest column holding its max (before the lane step updates m): a larger y, or an equal one
-    # at a lower column (the walk visits the row's head columns after its main blocks)
-    better = (y > m) | ((y == m) & (col < best))
-    return tl.where(better, col, best)
+def _lane_argmax(best, m, y, col, TIES: tl.constexpr):
+    # Each lane's lowest column holding its max (before the lane step updates m). The main loop visits a lane's
+    # columns in increasing order, so a strictly larger y is enough there (the first of equal ones stays); the
+    # edge (TIES) holds the row's head columns, visited after the main blocks: an equal y at a lower column wins.
+    if TIES:
+        return tl.where((y > m) | ((y == m) & (col < best)), col, best)
+    else:
+        return tl.where(y > m, col, best)
 
 
 @triton.jit
@@ -262,7 +270,7 @@ def _softmax_partials_kernel(
         elif SUM_LOGITS:
             sum_y += y
         if ARGMAX:
-            best = _lane_argmax(best, m, y, head + k + offs)
+            best = _lane_argmax(best, m, y, head + k + offs, False)
         m, s, t, s2 = _lane_step(m, s, t, s2, y, ENTROPY, SUM_SQ, FAST)
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
@@ -275,7 +283,7 @@ def _softmax_partials_kernel(
             mask = mask & (x.to(tl.float32) >= keep)
         y = tl.where(mask, y, -float("inf"))
         if ARGMAX:
-            best = _lane_argmax(best, m, y, cols)
+            best = _lane_argmax(best, m, y, cols, True)
         m, s, t, s2 = _lane_step(m, s, t, s2, y, ENTROPY, SUM_SQ, FAST)
         if SUM_LOGITS:
             sum_y += tl.where(mask, y, 0.0)
@@ -786,6 +794,9 @@ def softmax_partials(
     if rows == 0:
         return out
     block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
+    if width == 8 and block_v is None:  # two more per-lane arrays (s2, the argmax's column): at 8192 x 16 warps
+        # every option with them spilled (static sm_90 compile); 4096 keeps them in registers
+        block = min(block, BYPRODUCT_BLOCK_V)
     values, flags = math_args(math, x)
     with device_guard(x):
         _softmax_partials_kernel[(rows,)](
