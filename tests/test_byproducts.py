@@ -175,6 +175,24 @@ def test_triton_argmax_takes_the_lowest_column_of_many_ties_in_the_main_loop_and
         torch.testing.assert_close(got[:, 5], want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("kept", [{}, {"top_k": 20}], ids=["full", "top_k"])
+def test_the_by_products_hold_nothing_chunk_sized(kept):
+    """Live-tensor peak of the PyTorch kernels (chunks of 32 rows x 4096 columns, the auto chunk's buffers) with
+    the three by-products and the entropy against the entropy alone: only per-token vectors more."""
+    from lmloss.profiling import peak_memory
+
+    g = torch.Generator().manual_seed(7)
+    x, labels = torch.randn(256, 4096, generator=g), torch.randint(0, 4096, (256,), generator=g)
+    peaks = []
+    for asked in (False, True):
+        with peak_memory() as mem:
+            lmloss.token_logprobs(x, labels, return_entropy=True, chunk_size=32, impl="torch", return_logit_sum=asked,
+                                  return_argmax=asked, return_log_sum_sq_probs=asked, **kept)  # fmt: skip
+        peaks.append(mem.peak_bytes)
+    chunk = 32 * 4096 * 4
+    assert peaks[0] >= 2 * chunk and peaks[1] - peaks[0] <= 256 * 8 * 4, peaks
+
+
 def test_the_by_products_name_their_argument_when_refused():
     x, labels = _logits()
     with pytest.raises(TypeError, match="return_argmax must be a bool"):

@@ -311,8 +311,8 @@ class TorchKernels:
             out[:, 1] = kept_mass  # the threshold search summed it: no pass over the chunk
             return out
         kept = torch.ge(x[:, :n_valid], keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
-        if sum_logits:
-            out[:, 4] = (y * kept).sum(dim=-1)
+        if sum_logits:  # a row-wise dot product: no chunk-sized product (the kept mask is 0 / 1)
+            out[:, 4] = torch.bmm(y[:, None, :], kept[:, :, None]).view(-1)
         if not entropy:  # exps in the "exps" buffer: the threshold search's, already paged in
             if exps is None:
                 exps = torch.sub(y, shift[:, None], out=self.scratch.get("exps", rows, n_valid, acc)).exp_()
