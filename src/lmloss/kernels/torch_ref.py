@@ -541,6 +541,10 @@ def _kept_argmax(out: torch.Tensor, y: torch.Tensor, xv: torch.Tensor, keep_min:
     """`_put_argmax` over the kept columns ``x >= keep_min``: y is monotone in x, so the row's first largest y is
     a kept column unless the transform's rounding ties it with a dropped one (then, and where this shard keeps
     nothing, those rows are taken again over their kept columns alone: no chunk-sized buffer otherwise)."""
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph: the masked max (fused there)
+        v, top = torch.where(xv >= keep_min[:, None], y, float("-inf")).max(dim=-1)
+        _put_argmax(out, v, top, math)
+        return
     v, top = y.max(dim=-1)
     outside = xv.gather(1, top[:, None]).squeeze(1).to(keep_min.dtype) < keep_min
     if bool(outside.any()):
