@@ -199,3 +199,30 @@ def test_the_by_products_name_their_argument_when_refused():
         lmloss.token_logprobs(x, labels, return_argmax=1)
     with pytest.raises(ValueError, match="return_logit_sum=True with support="):
         lmloss.token_logprobs(x, labels, support=torch.arange(2).repeat(N, 1), return_logit_sum=True)
+
+
+def test_the_hf_scorer_passes_them_through_aligned_with_the_tokens():
+    """`lmloss.integrations.hf.token_logprobs` (what the TRL patches score with) of a tiny Llama, against its own
+    logits: position t holds the by-products of the distribution that predicts token t (-1 / 0 at t = 0 and where
+    the label is ignored)."""
+    transformers = pytest.importorskip("transformers")
+    from lmloss.integrations import hf
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    ids = torch.randint(0, 96, (2, 7))
+    labels = ids.clone()
+    labels[0, 3] = -100
+    _, _, total, top, lsq = hf.token_logprobs(model, ids, labels, temperature=0.5, return_entropy=True, return_argmax=True,
+                                              return_logit_sum=True, return_log_sum_sq_probs=True)  # fmt: skip
+    with torch.no_grad():
+        z = model(ids).logits.double()[:, :-1] / 0.5
+    scored = torch.nn.functional.pad(labels[:, 1:] != -100, (1, 0))
+    want_top = torch.nn.functional.pad(z.argmax(-1), (1, 0), value=-1)
+    assert top.dtype == torch.int64 and torch.equal(top, torch.where(scored, want_top, -1))
+    want_sum = torch.nn.functional.pad(z.sum(-1), (1, 0))
+    torch.testing.assert_close(total.double(), torch.where(scored, want_sum, 0.0), rtol=1e-5, atol=1e-4)
+    want_lsq = torch.nn.functional.pad(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1), (1, 0))
+    torch.testing.assert_close(lsq.double(), torch.where(scored, want_lsq, 0.0), rtol=1e-5, atol=1e-5)
