@@ -181,3 +181,11 @@ def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) 
             )
     else:
         torch._assert_async(~bad.any(), "lmloss: a label is outside [0, vocab_size) and not ignore_index")
+
+
+def byproducts(**flags: object) -> tuple[str, ...]:
+    """The by-products asked by the ops' ``return_<name>`` options (`lmloss.objectives.BYPRODUCTS`), each a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"return_{name} must be a bool, got {value!r}")
+    return tuple(name for name, value in flags.items() if value)

@@ -91,8 +91,11 @@ class PerTokenLoss(torch.autograd.Function):
         ctx.save_for_backward(*leaves, *saved.values())
         ctx.set_materialize_grads(False)
         outs = op.objective.returned(results)
-        if "log_kept_mass" in results:
-            ctx.mark_non_differentiable(results["log_kept_mass"])
+        # the log kept mass and the by-products (`lmloss.objectives.BYPRODUCTS`) have no gradient
+        returned = getattr(op.plan, "returned", ())
+        fixed = [o for k, o in zip(returned, outs) if k == "log_kept_mass" or k in op.plan.byproducts]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
         return outs
 
     @staticmethod

@@ -240,6 +240,9 @@ def linear_token_logprobs(
     support: torch.Tensor | None = None,
     return_log_kept_mass: bool = False,
     invariant: bool = False,
+    return_logit_sum: bool = False,
+    return_argmax: bool = False,
+    return_log_sum_sq_probs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`lmloss.token_logprobs` of ``hidden @ weight.T + bias``, without materializing the logits.
 
@@ -277,21 +280,27 @@ def linear_token_logprobs(
             (`lmloss.chunks.tiled_linear`) and the vocabulary is summed in fixed blocks combined exactly.
         Other arguments as in `lmloss.token_logprobs` (`temperature`, `softcap`, `impl`, ...).
 
+        return_logit_sum, return_argmax, return_log_sum_sq_probs: by-products of the same pass, without
+            gradient, as in `lmloss.token_logprobs`.
+
     Returns:
-        fp32 ``[...]`` log-probs (0.0 where ignored), then entropy and log kept mass if asked (a tuple);
-        the same on every TP rank. Gradients flow to `hidden`, `weight` and `bias` for any per-token
+        fp32 ``[...]`` log-probs (0.0 where ignored), then entropy, log kept mass and the by-products if asked
+        (a tuple, in `lmloss.token_logprobs`' order); the same on every TP rank. Gradients flow to `hidden`, `weight` and `bias` for any per-token
         upstream gradients.
     """
     n_tokens = math.prod(hidden.shape[:-1]) * (world_size(tp_group) if sequence_parallel else 1)
     checked = {}
 
     def checks(expected):
+        byproducts = _validate.byproducts(
+            logit_sum=return_logit_sum, argmax=return_argmax, log_sum_sq_probs=return_log_sum_sq_probs
+        )
         if support is not None:
             checked["support"] = replay.check_arguments(
                 support, math.prod(expected), hidden.device, vocab_size, (top_k, top_p, min_p), return_log_kept_mass
             )
-            return {"support": checked["support"]}
-        return {"sampling": make_sampling(
+            return {"support": checked["support"], "byproducts": byproducts}
+        return {"byproducts": byproducts, "sampling": make_sampling(
             top_k, top_p, min_p, n_tokens=n_tokens, device=hidden.device, log_kept_mass=return_log_kept_mass
         )}  # fmt: skip
 

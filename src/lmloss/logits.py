@@ -113,6 +113,9 @@ def token_logprobs(
     support: torch.Tensor | None = None,
     return_log_kept_mass: bool = False,
     invariant: bool = False,
+    return_logit_sum: bool = False,
+    return_argmax: bool = False,
+    return_log_sum_sq_probs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probability of each label: ``log_softmax(softcap(logits) / temperature)[..., label]``.
 
@@ -158,15 +161,27 @@ def token_logprobs(
             same bits whatever the chunk size, the other rows of the call and the TP degree (every shard
             starting at a multiple of `lmloss.kernels.INVARIANT_BLOCK` columns): the vocabulary is summed
             in fixed blocks combined exactly (docs/invariant.md). Default False: the fast path.
+        return_logit_sum, return_argmax, return_log_sum_sq_probs: by-products of the same pass over the
+            vocabulary, of ``z = softcap(logits) / temperature`` (the logits the softmax sees, as TRL's fused
+            head takes them), without gradient, over the valid global vocabulary (the kept set under
+            top_k / top_p / min_p; not with `support`): ``sum_j z_j`` (TRL's mean logit is that over
+            ``vocab_size``); the id of the largest ``z`` (int64, the lowest id on ties: SFT token accuracy
+            is ``argmax == labels``); ``log sum_j p_j**2 = logsumexp(2 z) - 2 logsumexp(z)`` (WPO's weight).
+            0.0 (the argmax -1) where the label is `ignore_index`. With `invariant`, the sum and the argmax
+            are invariant too (the sum from the fixed blocks); the sum of squares is refused there.
 
     Returns:
-        fp32 ``[...]`` log-probs (fp64 for fp64 logits), then entropy and log kept mass if asked (a
-        tuple). Each output is the same on every TP rank.
+        fp32 ``[...]`` log-probs (fp64 for fp64 logits), then entropy, log kept mass, logit sum, argmax and
+        log sum of squared probabilities, those asked, in that order (a tuple). Each output is the same on
+        every TP rank.
     """
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         labels = _check_logits(logits, labels)
         budget = chunk_budget_mib(logits.device, memory_budget_mib)
+        byproducts = _validate.byproducts(
+            logit_sum=return_logit_sum, argmax=return_argmax, log_sum_sq_probs=return_log_sum_sq_probs
+        )
         n = math.prod(labels.shape)
         if support is None:
             sampling = make_sampling(
@@ -181,6 +196,7 @@ def token_logprobs(
         chunk_size=chunk_size, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl, agree=_agree(logits, budget),
         sampling=sampling, support=support, log_kept_mass=return_log_kept_mass, invariant=invariant, budget=budget,
+        byproducts=byproducts,
     )  # fmt: skip
     flat, flat_labels = _flat(logits, labels)
     if support is None:
@@ -209,14 +225,22 @@ def token_entropy(
     min_p: float | torch.Tensor | None = None,
     support: torch.Tensor | None = None,
     invariant: bool = False,
-) -> torch.Tensor:
+    return_logit_sum: bool = False,
+    return_argmax: bool = False,
+    return_log_sum_sq_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Shannon entropy ``-sum p log p`` of ``p = softmax(softcap(logits) / temperature)`` over the global
     vocabulary (over the kept set, renormalised, with top_k / top_p / min_p or a replayed `support`).
-    `logits` ``[..., V_local]`` -> fp32 ``[...]``, differentiable. Arguments as in `token_logprobs`."""
+    `logits` ``[..., V_local]`` -> fp32 ``[...]``, differentiable; then the by-products asked (a tuple; at every
+    position: there are no labels, e.g. a multi-token-prediction draft's acceptance is ``argmax == draft``).
+    Arguments as in `token_logprobs`."""
     _validate.check_group("tp_group", tp_group)
     with errors_raised_on_every_rank(tp_group, vocab_start, logits):
         _check_logits(logits, None)
         budget = chunk_budget_mib(logits.device, memory_budget_mib)
+        byproducts = _validate.byproducts(
+            logit_sum=return_logit_sum, argmax=return_argmax, log_sum_sq_probs=return_log_sum_sq_probs
+        )
         n_tokens = math.prod(logits.shape[:-1])
         if support is None:
             sampling = make_sampling(top_k, top_p, min_p, n_tokens=n_tokens, device=logits.device)
@@ -227,14 +251,15 @@ def token_entropy(
         logits, None, outputs=("entropy",), chunk_size=chunk_size, temperature=temperature, softcap=softcap,
         ignore_index=-100, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start, impl=impl,
         agree=_agree(logits, budget), sampling=sampling, support=support, invariant=invariant, budget=budget,
+        byproducts=byproducts,
     )  # fmt: skip
     flat, _ = _flat(logits, None)
     if support is None:
         op = Op(plan, LogitsHead, SoftmaxObjective(plan, None))
     else:
         op = replay.op_over_slots(plan, LogitsHead, (flat,), None, support, False)
-    (entropy,) = PerTokenLoss.apply(op, flat)
-    return entropy.view(logits.shape[:-1])
+    outs = tuple(o.view(logits.shape[:-1]) for o in PerTokenLoss.apply(op, flat))
+    return outs if len(outs) > 1 else outs[0]
 
 
 def cross_entropy(

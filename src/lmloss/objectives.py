@@ -45,6 +45,9 @@ from lmloss.vocab_parallel import (
 )
 
 OUTPUTS = ("logprobs", "entropy", "loss")
+#: What the same pass also gives, not differentiable (the ops' ``return_*`` options; `finish`): per token the sum
+#: of y over the vocabulary, the argmax of y (int64) and ``log sum p**2``
+BYPRODUCTS = ("logit_sum", "argmax", "log_sum_sq_probs")
 #: ``upstream(rows, chunk_outputs) -> ({output: [c] upstream gradient or None}, [c] terms)`` for a chunk's
 #: `lmloss.rows.Rows` (see `SoftmaxObjective`)
 Upstream = Callable[[int, int, dict], dict]
@@ -55,12 +58,26 @@ Upstream = Callable[[int, int, dict], dict]
 
 
 def finish(plan, combined: torch.Tensor, labels: torch.Tensor | None, counting=None) -> dict[str, torch.Tensor]:
-    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`.
-    `counting` ``[c]`` bool or None: rows that do not count give 0 (`lmloss.rows`: usually no chunk holds
-    them at all; inside ``torch.compile`` they are computed and masked)."""
-    big_m, sum_exp, t, target, sum_y = combined.unbind(1)
+    """Per-token outputs ``[c]`` (and ``"lse"``) from the global partials ``[c, 5]`` of `combine_partials`
+    (``[c, 8]`` with the by-products). `counting` ``[c]`` bool or None: rows that do not count give 0 (-1 for
+    the argmax; `lmloss.rows`: usually no chunk holds them at all; inside ``torch.compile`` they are computed
+    and masked).
+
+    The by-products (`plan.byproducts`), over the valid columns of the distribution's support (the kept set
+    under a truncation), of ``y = scale * softcap(x)``, the logits the softmax sees: ``logit_sum`` = sum y
+    (the mean logit is that over ``vocab_size``), ``argmax`` = the lowest id of the largest y (int64),
+    ``log_sum_sq_probs`` = ``log sum p**2 = logsumexp(2 y) - 2 logsumexp(y)`` (WPO's weight)."""
+    big_m, sum_exp, t, target, sum_y = combined[:, :5].unbind(1)
     log_sum_exp = sum_exp.log()
     out = {"lse": big_m + log_sum_exp}
+    for key in plan.byproducts:
+        if key == "logit_sum":
+            value = sum_y
+        elif key == "log_sum_sq_probs":
+            value = combined[:, 5].log() - 2.0 * log_sum_exp
+        else:
+            value = combined[:, 7].to(torch.int64)
+        out[key] = value if counting is None else torch.where(counting, value, -1 if key == "argmax" else 0.0)
     if "entropy" in plan.outputs:
         entropy = log_sum_exp - t / sum_exp
         out["entropy"] = entropy if counting is None else torch.where(counting, entropy, 0.0)
@@ -183,7 +200,11 @@ class SoftmaxObjective:
         return keys
 
     def returned(self, results: dict) -> tuple[torch.Tensor, ...]:
-        return tuple(results[k] for k in self.plan.returned)
+        out = tuple(results[k] for k in self.plan.returned)
+        if "argmax" in results and self.plan.rows is not None:  # the rows no chunk held are 0: -1 there
+            i = self.plan.returned.index("argmax")
+            out = (*out[:i], torch.where(self.counting, out[i], -1), *out[i + 1 :])
+        return out
 
     def saved(self, results: dict) -> dict[str, torch.Tensor | None]:
         return {k: results.get(k) for k in ("lse", "entropy", "keep_min", "dropped")}
@@ -467,6 +488,8 @@ class SoftmaxObjective:
         """A result no chunk made (no row counts): its zeros."""
         if key == "dropped":
             return torch.zeros(n, dtype=torch.bool, device=device)
+        if key == "argmax":
+            return torch.full((n,), -1, dtype=torch.int64, device=device)
         return torch.zeros((n, 4) if key == "coef" else (n,), dtype=dtype, device=device)
 
     def weight_pass_inputs(self, results: dict, scale) -> tuple[dict, torch.Tensor, dict]:

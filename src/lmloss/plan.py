@@ -21,7 +21,7 @@ import torch
 from lmloss import _validate
 from lmloss.agreement import describe_arguments, errors_raised_on_every_rank, will_gather
 from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
-from lmloss.objectives import OUTPUTS
+from lmloss.objectives import BYPRODUCTS, OUTPUTS
 from lmloss.rows import Rows, RowSelection, all_rows
 from lmloss.sampling import Sampling
 from lmloss.vocab_parallel import INVARIANT_MAX_COLUMNS, ProcessGroup, VocabShard, resolve_shard, world_size
@@ -78,6 +78,9 @@ class LossPlan:
     #: local columns per block of the weight pass, and tokens per chunk in it; 0 for the accumulator
     weight_block: int = 0
     weight_block_rows: int = 0
+    #: the by-products of the same pass (a subset of `BYPRODUCTS`, in that order): not differentiable, returned
+    #: after the outputs (`lmloss.objectives.finish`)
+    byproducts: tuple[str, ...] = ()
 
     @property
     def invariant(self) -> bool:
@@ -85,15 +88,21 @@ class LossPlan:
 
     @property
     def returned(self) -> tuple[str, ...]:
-        """What the op returns: `outputs`, then ``"log_kept_mass"`` (not differentiable) if asked."""
-        return (*self.outputs, "log_kept_mass") if self.log_kept_mass else self.outputs
+        """What the op returns: `outputs`, then ``"log_kept_mass"`` and the `byproducts` (not differentiable)."""
+        return (*self.outputs, *(("log_kept_mass",) if self.log_kept_mass else ()), *self.byproducts)
 
     @property
     def flags(self) -> dict[str, bool]:
         """Which optional partial sums the kernels must produce."""
         wants_target = "logprobs" in self.outputs or "loss" in self.outputs
         smoothing = "loss" in self.outputs and self.label_smoothing > 0
-        return dict(entropy="entropy" in self.outputs, target=wants_target, sum_logits=smoothing)
+        extra = self.byproducts
+        flags = dict(entropy="entropy" in self.outputs, target=wants_target, sum_logits=smoothing or "logit_sum" in extra)
+        if "log_sum_sq_probs" in extra:  # only asked when set: an implementation's partials are [c, 5] otherwise
+            flags["sum_sq"] = True
+        if "argmax" in extra:
+            flags["argmax"] = True
+        return flags
 
     def chunks(self, n: int, *, gather: bool = False, chunk_rows: int | None = None) -> list[Rows]:
         """The chunks of ``[0, n)`` the loop walks: every row, or only those that count (`rows`), at most
@@ -154,6 +163,7 @@ def make_plan(
     counting: torch.Tensor | None = None,
     schedule: Callable | None = None,
     arguments: dict[str, torch.Tensor | None] | None = None,
+    byproducts: tuple[str, ...] = (),
 ) -> LossPlan:
     """Check the options every op shares and resolve them into a `LossPlan`.
 
@@ -180,6 +190,10 @@ def make_plan(
     (`lmloss.vocab_parallel.combine_blocks`); agreed across the ranks like every option. Every shard must
     start at a multiple of `INVARIANT_BLOCK` columns and the vocabulary hold at most `INVARIANT_MAX_COLUMNS`.
 
+    `byproducts` (a subset of `lmloss.objectives.BYPRODUCTS`): more outputs of the same pass, agreed with the
+    outputs. Not with `support` (the kernels run over its slots, not the vocabulary), nor the sum of squares
+    with `invariant` (it has no block form); the argmax's ids travel as floats: at most ``2**24`` columns.
+
     The rows that count (`lmloss.rows`): `counting` (bool ``[N]``, agreed by the caller: a fingerprinted
     tensor), else ``labels != ignore_index``; without either, every row. Found once, after the agreement,
     so that every rank walks the same chunks. Inside ``torch.compile`` every row is walked (the selection
@@ -195,6 +209,7 @@ def make_plan(
         _validate.check_label_smoothing(label_smoothing)
         _validate.check_z_loss(z_loss)
         _validate.check_invariant(invariant)
+        _check_byproducts(byproducts, support=support is not None, invariant=invariant)
         impl = resolve_impl(impl, device, dtype)
     agree = dict(agree or {})
     tensors = dict(tensors or {})
@@ -213,7 +228,7 @@ def make_plan(
     chunk_code = {None: -1, "auto": -2}.get(chunk_size, chunk_size)  # type: ignore[arg-type]
     fields = dict(
         n_tokens=n_tokens, chunk_size=chunk_code, ignore_index=ignore_index, impl=("torch", "triton").index(impl),
-        outputs=sum(1 << OUTPUTS.index(k) for k in outputs), temperature=float(temperature),
+        outputs=sum(1 << (OUTPUTS + BYPRODUCTS).index(k) for k in (*outputs, *byproducts)), temperature=float(temperature),
         softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
         dtype=_validate.DTYPE_CODES.get(dtype, 99), **(agree or {}),
     )  # fmt: skip
@@ -227,6 +242,11 @@ def make_plan(
         raise ValueError(
             f"invariant=True sums the vocabulary in 64-bit fixed point, up to {INVARIANT_MAX_COLUMNS} columns; "
             f"got vocab_size {shard.vocab_size}"
+        )
+    if "argmax" in byproducts and shard.vocab_size > ARGMAX_MAX_COLUMNS:  # agreed: every rank raises alike
+        raise ValueError(
+            f"return_argmax: the ids travel through the partials as floats, exact up to {ARGMAX_MAX_COLUMNS} "
+            f"columns; got vocab_size {shard.vocab_size}"
         )
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
@@ -260,8 +280,29 @@ def make_plan(
         log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
         invariant_block=0 if not invariant else 1 if support is not None else INVARIANT_BLOCK,
         rows=selection, counting=None if counting is None else counting.reshape(-1), weight_block=weight_block,
-        weight_block_rows=weight_block_rows,
+        weight_block_rows=weight_block_rows, byproducts=tuple(k for k in BYPRODUCTS if k in byproducts),
     )  # fmt: skip
+
+
+#: The largest vocabulary ``return_argmax`` takes: the ids ride in the fp32 partials (`lmloss.kernels`).
+ARGMAX_MAX_COLUMNS = 2**24
+
+
+def _check_byproducts(byproducts: tuple[str, ...], *, support: bool, invariant: bool) -> None:
+    """The by-products' local checks (names from the ops' ``return_*`` options, `lmloss.objectives.BYPRODUCTS`)."""
+    unknown = [k for k in byproducts if k not in BYPRODUCTS]
+    if unknown:
+        raise ValueError(f"unknown by-products {unknown}; expected some of {BYPRODUCTS}")
+    if byproducts and support:
+        raise ValueError(
+            f"return_{byproducts[0]}=True with support=: the kernels run over the replayed support's slots (absent "
+            "slots hold a stand-in logit), not the vocabulary; use top_k / top_p / min_p to recompute the kept set"
+        )
+    if "log_sum_sq_probs" in byproducts and invariant:
+        raise ValueError(
+            "return_log_sum_sq_probs=True with invariant=True: the sum of squared probabilities has no blocked, "
+            "fixed-point form in the invariant kernels; drop one of them"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------

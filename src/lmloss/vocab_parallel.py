@@ -12,6 +12,7 @@ Before those, each call resolves its shard (`resolve_shard`) from the rank agree
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -50,23 +51,44 @@ def world_size(group: ProcessGroup | None) -> int:
 
 
 def combine_partials(partials: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Merge each rank's per-row softmax partials ``[c, 5]`` into the global ones (same layout).
+    """Merge each rank's per-row softmax partials ``[c, 5]`` (or ``[c, 8]``) into the global ones (same layout).
 
     Columns (see `lmloss.kernels`): local max ``m``, ``s = sum exp(y - m)``, ``t = sum exp(y - m)(y - m)``,
-    the target logit, ``sum y``. Two collectives over `group`: a MAX of ``m``, then one SUM of the other
-    four, rescaled to the global max ``M`` (``s * exp(m - M)``; ``t`` also shifts by ``(m - M) s``).
-    Column 0 of the result is ``M``. For one process this is the identity.
+    the target logit, ``sum y``; with the by-products, ``s2 = sum exp(2 (y - m))``, the max ``v`` and the global
+    id of its lowest column. Two collectives over `group`: a MAX of ``m`` (and ``v`` beside it), then one SUM
+    of the rest, rescaled to the global max ``M`` (``s * exp(m - M)``; ``t`` also shifts by ``(m - M) s``;
+    ``s2 * exp(2 (m - M))``). The argmax rides in that SUM as one column per rank, ``id + 1`` where the rank's
+    ``v`` is the global max and 0 elsewhere: the lowest nonzero one is the lowest global id (a SUM cannot take
+    a min; one column per rank is ``4 * world`` bytes per row). Column 0 of the result is ``M``. For one
+    process this is the identity.
     """
     if world_size(group) == 1:
         return partials
     m, s, t = partials[:, 0], partials[:, 1], partials[:, 2]
-    big_m = all_reduce_max_(m.clone(), group)
+    extras = partials.shape[1] == 8
+    if extras:  # the max of the argmax in the same MAX
+        maxes = all_reduce_max_(torch.stack([m, partials[:, 6]], dim=1), group)
+        big_m, big_v = maxes[:, 0], maxes[:, 1]
+    else:
+        big_m = all_reduce_max_(m.clone(), group)
     has_mass = s > 0  # a shard with no valid column (or all -inf) has m = -inf: it contributes nothing
     factor = torch.where(has_mass, torch.exp(m - big_m), 0.0)
     shifted_t = torch.where(has_mass, factor * (t + (m - big_m) * s), 0.0)
-    packed = torch.stack([factor * s, shifted_t, partials[:, 3], partials[:, 4]], dim=1)
+    columns = [factor * s, shifted_t, partials[:, 3], partials[:, 4]]
+    if extras:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        ids = partials[:, 7]
+        candidates = torch.zeros((partials.shape[0], world), dtype=partials.dtype, device=partials.device)
+        candidates[:, rank] = torch.where((partials[:, 6] == big_v) & (ids >= 0), ids + 1.0, 0.0)
+        columns.append(torch.where(has_mass, factor * factor * partials[:, 5], 0.0))
+    packed = torch.cat([torch.stack(columns, dim=1), *((candidates,) if extras else ())], dim=1)
     all_reduce_sum_(packed, group)
-    return torch.cat([big_m[:, None], packed], dim=1)
+    if not extras:
+        return torch.cat([big_m[:, None], packed], dim=1)
+    chosen = packed[:, 5:]
+    lowest = torch.where(chosen > 0, chosen, math.inf).amin(dim=1)
+    top = torch.where(torch.isinf(lowest), -1.0, lowest - 1.0)
+    return torch.cat([big_m[:, None], packed[:, :5], big_v[:, None], top[:, None]], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,7 +160,8 @@ def to_fixed_point(values: torch.Tensor, out: torch.Tensor | None = None) -> tor
 def combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
     """The invariant mode's `combine_partials`: each rank's per-block sums (`lmloss.kernels.BlockPartials`,
     ``[c, n_blocks]``) -> the global partials ``[c, 5]`` (the layout `combine_partials` returns: ``M``,
-    ``sum exp(y - M)``, the entropy numerator, the target, ``sum y``), the same bits whatever the blocks' split
+    ``sum exp(y - M)``, the entropy numerator, the target, ``sum y``; ``[c, 8]`` with `BlockPartials.top`, the
+    argmax's max and lowest id in columns 6 and 7, column 5 0), the same bits whatever the blocks' split
     over chunks, shards and ranks.
 
     The row max ``M`` is one MAX over `group` (exact in any order; made by the kernels already where they
@@ -175,12 +198,23 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
             maxes[:, 1] = 0.0
             if n:
                 torch.amax(torch.where(torch.isfinite(sum_y), sum_y.abs(), 0.0), 1, out=maxes[:, 1])
+    top = blocks.top
+    if top is not None and not blocks.global_max:  # the argmax's max rides in the same MAX, last
+        maxes = torch.cat([maxes, top[:, :1].to(acc)], dim=1)
     if not blocks.global_max:
         all_reduce_max_(maxes, group)
     elif sum_y is not None:  # the row max is the group's already, and A too where the kernels made it
         a = blocks.y_scale if blocks.y_scale is not None else all_reduce_max_(maxes[:, 1].contiguous(), group)
         maxes[:, 1] = a
     big_m = maxes[:, 0]
+    candidates = big_v = None
+    if top is not None:  # the lowest id of the ranks holding the max, as in `combine_partials` (one int64 column
+        # per rank in the SUM); with `global_max` the kernels' MAX did not carry it: one MAX more
+        big_v = maxes[:, -1] if not blocks.global_max else all_reduce_max_(top[:, 0].to(acc).clone(), group)
+        ids = top[:, 1].to(torch.int64)
+        candidates = torch.zeros((rows, world_size(group)), dtype=torch.int64, device=dev)
+        rank = 0 if world_size(group) == 1 else dist.get_rank(group)
+        candidates[:, rank] = torch.where((top[:, 0].to(acc) == big_v) & (ids >= 0), ids + 1, 0)
     # m_b - M in the blocks' dtype (float64 for float64 inputs); an empty block (m_b = -inf, s_b = 0) or a row
     # without a finite M gets a finite stand-in whose exp is 0 and whose product with s_b = 0 is 0. A block
     # with a NaN or +inf logit has s_b NaN: it is counted and its row made NaN
@@ -205,8 +239,9 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
         packed = [bits + (nan_count << _NAN_SHIFT)]
     else:
         packed = [blocks.target.double().contiguous().view(torch.int64), nan_count]
-    words_out = all_reduce_sum_(torch.stack([*sums, *packed, *([] if flags is None else [flags])], dim=1), group)
-    cols = list(words_out.unbind(1))
+    sent = [*sums, *packed, *([] if flags is None else [flags])]
+    words_out = all_reduce_sum_(torch.cat([torch.stack(sent, dim=1), *([] if candidates is None else [candidates])], 1), group)
+    cols = list(words_out[:, : len(sent)].unbind(1))
     total_s, cols = _unfixed(cols[:words], shift), cols[words:]
     total_t = None
     if t is not None:
@@ -222,8 +257,13 @@ def _combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
         nan_rows = (word >> _NAN_SHIFT) > 0
     else:
         target, nan_rows = cols.pop(0).view(torch.float64), cols.pop(0) > 0
-    out = torch.zeros((rows, 5), dtype=acc, device=dev)
+    out = torch.zeros((rows, 5 if top is None else 8), dtype=acc, device=dev)
     out[:, 0], out[:, 1], out[:, 3] = big_m, total_s, target
+    if top is not None:  # the partials' columns 6 and 7 (no sum of squares in this mode: column 5 stays 0)
+        chosen = words_out[:, len(sent) :]
+        lowest = torch.where(chosen > 0, chosen, torch.iinfo(torch.int64).max).amin(dim=1)
+        out[:, 6] = big_v
+        out[:, 7] = torch.where(lowest == torch.iinfo(torch.int64).max, -1, lowest - 1).to(acc)
     if total_t is not None:
         out[:, 2] = total_t
     if total_y is not None:

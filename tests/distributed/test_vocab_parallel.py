@@ -8,6 +8,8 @@ One run (world size 4) hosts every check, each in its own sub-group:
   errors - shards that don't tile, vocab_size past the columns
   invariant - invariant=True under TP=4 and two TP=2 groups (tests/distributed/invariant_support.py): every
            token's outputs the same bits as one process's, the collectives per chunk against the default's
+  byproducts - the logit sum, argmax and log sum p^2 (issue #42) on the uneven groups (shards out of rank
+           order, ties across shards), on TP=4 with a whole shard of padding, and invariant on TP=4
 Each rank returns plain tensors; the references (fp64 log_softmax / F.cross_entropy over the unsharded
 logits, or one process's invariant outputs) are computed in the test process.
 """
@@ -183,7 +185,42 @@ def _rank_fn(rank: int, world: int):
             errors[name] = (type(exc).__name__, str(exc))
     results["errors"] = errors
     results["invariant"] = inv.rank_results(rank, world, counter)
+    results["byproducts"] = _byproducts(rank, counter, tp4, group, spans)
     return results
+
+
+BYPRODUCTS = dict(return_logit_sum=True, return_argmax=True, return_log_sum_sq_probs=True)
+
+
+def _byproduct_case(seed, vocab, *, padding_from=None):
+    """`_case`'s logits with ties of the row max across shards (columns 3 and 15, 8 and 16: ranks out of vocabulary
+    order in the uneven groups; the lower id must win) and inside one (2 and 5)."""
+    logits, labels, _, _ = _case(seed, vocab, padding_from=padding_from)
+    flat = logits.view(-1, vocab)
+    for row, cols in enumerate([(3, 15), (8, 16), (2, 5), (15, 3)]):
+        flat[row, list(cols)] = 20.0
+    return logits, labels
+
+
+def _byproducts(rank, counter, tp4, group, spans):
+    out = {}
+    logits, labels = _byproduct_case(7, 20)
+    s, e = spans[rank]
+    counter.take()
+    out["uneven"] = lmloss.token_logprobs(logits[..., s:e], labels, chunk_size=CHUNK, temperature=T, tp_group=group,
+                                          vocab_start=s, **BYPRODUCTS)[1:]  # fmt: skip
+    out["collectives"] = counter.take(group)
+    out["uneven_top_k"] = lmloss.token_entropy(logits[..., s:e], chunk_size=CHUNK, temperature=T, tp_group=group,
+                                               vocab_start=s, top_k=3, **BYPRODUCTS)[1:]  # fmt: skip
+    logits, labels = _byproduct_case(8, 24, padding_from=17)  # rank 3's whole shard is padding
+    out["pad17"] = lmloss.token_logprobs(logits[..., rank * 6 : (rank + 1) * 6], labels, chunk_size=CHUNK,
+                                         temperature=T, tp_group=tp4, vocab_size=17, **BYPRODUCTS)[1:]  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(6, 512, generator=g) * 3
+    wide[0, [100, 300]] = 20.0  # a tie across ranks 0 and 2
+    out["invariant"] = lmloss.token_entropy(wide[:, rank * 128 : (rank + 1) * 128], chunk_size=4, tp_group=tp4,
+                                            invariant=True, return_logit_sum=True, return_argmax=True)  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -422,3 +459,54 @@ def test_invariant_refuses_a_shard_that_starts_inside_a_block_on_every_rank(rank
         assert message is not None and "start at a multiple of 128 columns" in message
         assert "[0, 100, 200, 300]" in message
 
+
+# ------------------------------------------------------------------------------------------------------------
+# the by-products (issue #42): float64 references of the whole logits
+
+
+def _byproduct_refs(logits, labels, *, vocab_size=None, top_k=None):
+    z = logits.double()[..., :vocab_size] / T
+    if top_k is not None:
+        z = torch.where(z >= z.topk(top_k, dim=-1).values[..., -1:], z, -math.inf)
+    ids = torch.arange(z.shape[-1])
+    top = torch.where(z == z.amax(-1, keepdim=True), ids, z.shape[-1]).amin(-1)  # the lowest id of the max
+    total = torch.where(torch.isfinite(z), z, 0.0).sum(-1)
+    lsq = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+    valid = labels != -100
+    return torch.where(valid, total, 0.0), torch.where(valid, top, -1), torch.where(valid, lsq, 0.0)
+
+
+def _check_byproducts(got, want):
+    total, top, lsq = got
+    assert torch.equal(top, want[1])
+    torch.testing.assert_close(total.double(), want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lsq.double(), want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_byproducts_under_tp_match_float64_with_the_lowest_id_on_ties_across_shards(ranks):
+    """Uneven shards (one group out of rank order), a whole shard of padding, top_k: every rank the float64
+    values; the argmax's tie across two ranks goes to the lower id whichever rank holds it. Per chunk the forward
+    still makes one MAX and one SUM (the argmax rides in both)."""
+    logits, labels = _byproduct_case(7, 20)
+    want = _byproduct_refs(logits, labels)
+    assert want[1].view(-1)[[0, 1, 2, 3]].tolist() == [-1 if labels.view(-1)[0] == -100 else 3, 8, 2, 3]
+    pad_logits, pad_labels = _byproduct_case(8, 24, padding_from=17)
+    pad = _byproduct_refs(pad_logits, pad_labels, vocab_size=17)
+    kept = _byproduct_refs(logits, torch.zeros_like(labels), top_k=3)
+    for got in ranks:
+        mine = got["byproducts"]
+        _check_byproducts(mine["uneven"], want)
+        _check_byproducts(mine["pad17"], pad)
+        _check_byproducts(mine["uneven_top_k"], kept)
+        ops = [(name, op.split(".")[-1]) for name, op in mine["collectives"]]
+        assert ops == [("all_gather", "")] + [("all_reduce", "MAX"), ("all_reduce", "SUM")] * N_CHUNKS
+
+
+def test_invariant_byproducts_under_tp4_are_one_process_bits(ranks):
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(6, 512, generator=g) * 3
+    wide[0, [100, 300]] = 20.0
+    one = lmloss.token_entropy(wide, chunk_size=None, invariant=True, return_logit_sum=True, return_argmax=True)
+    assert one[2][0] == 100 and torch.equal(one[2], wide.argmax(-1))
+    for got in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(got["byproducts"]["invariant"], one))

@@ -222,18 +222,22 @@ def _settled_transform(model: torch.nn.Module, state: _PatchState) -> HeadTransf
     return settled
 
 
-def call_through(module: torch.nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_through(
+    module: torch.nn.Module, fn: Callable[..., Any], *args: Any, caller: torch.nn.Module | None = None, **kwargs: Any
+) -> Any:
     """``module(*args, **kwargs)`` with ``fn(module, *args, **kwargs)`` standing in for its forward.
 
     The module's forward pre- and post-hooks fire around `fn` (FSDP2 gathers the parameters before and
     frees them after, and registers its backward hooks on the output), which calling `fn` directly would
-    skip. The module's own forward is restored afterwards, also when `fn` raises.
+    skip. The module's own forward is restored afterwards, also when `fn` raises. `caller`: a wrapper whose
+    forward calls `module` (DDP): ``caller(*args, **kwargs)`` is called instead, so that its forward runs
+    around `fn` too (`lmloss.integrations.trl.run_as_forward`).
     """
     had_instance_forward = "forward" in module.__dict__
     saved = module.__dict__.get("forward")
     module.forward = lambda *a, **k: fn(module, *a, **k)
     try:
-        return module(*args, **kwargs)
+        return (module if caller is None else caller)(*args, **kwargs)
     finally:
         if had_instance_forward:
             module.forward = saved
@@ -624,8 +628,11 @@ def token_logprobs(
     min_p: float | torch.Tensor | None = None,
     invariant: bool = False,
     memory_budget_mib: float | None = None,
+    return_logit_sum: bool = False,
+    return_argmax: bool = False,
+    return_log_sum_sq_probs: bool = False,
     **model_kwargs: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-token log-probs (and entropy) of a causal LM's own tokens, without logits: RL scoring.
 
     Runs the decoder body and `lmloss.linear_token_logprobs` inside ``model``'s forward call (so FSDP2
@@ -648,6 +655,9 @@ def token_logprobs(
         return_entropy: also return the entropy of each position's next-token distribution.
         chunk_size, top_k, top_p, min_p, invariant, memory_budget_mib: `lmloss.linear_token_logprobs`'
             arguments (the sampling parameters: one value for the call).
+        return_logit_sum, return_argmax, return_log_sum_sq_probs: the by-products of the same pass
+            (`lmloss.token_logprobs`): the sum of the scaled logits over the vocabulary (TRL's mean logit times
+            the vocabulary), the argmax (int64: token accuracy is ``argmax == labels``), ``log sum p**2`` (WPO).
         model_kwargs: more keyword arguments for the decoder body (e.g. ``position_ids``).
 
     Returns:
@@ -655,7 +665,8 @@ def token_logprobs(
         [labels[:, t]]``, the log-prob of token ``t`` given the tokens before it; 0.0 at ``t = 0`` and
         where ``labels`` is ``ignore_index``. With ``return_entropy``, ``(logprobs, entropy)`` where
         ``entropy[:, t]`` is the entropy of that same distribution (0.0 at ``t = 0`` and where ``labels``
-        is ``ignore_index``: those positions are not computed at all).
+        is ``ignore_index``: those positions are not computed at all); then the by-products asked, aligned
+        alike (0.0, the argmax -1, at ``t = 0`` and where ignored), in that order.
     """
     head_transform(model)  # refuses what the fused head cannot reproduce, before any forward
     if input_ids.dim() != 2:
@@ -672,11 +683,13 @@ def token_logprobs(
         model_kwargs["attention_mask"] = attention_mask
     check_memory_budget(memory_budget_mib)
     op_options = dict(chunk_size=chunk_size, top_k=top_k, top_p=top_p, min_p=min_p, invariant=invariant,
-                      memory_budget_mib=memory_budget_mib)  # fmt: skip
+                      memory_budget_mib=memory_budget_mib, return_logit_sum=return_logit_sum,
+                      return_argmax=return_argmax, return_log_sum_sq_probs=return_log_sum_sq_probs)  # fmt: skip
     out = call_through(
         model, _score, input_ids, labels, temperature=temperature, return_entropy=return_entropy,
         ignore_index=ignore_index, op_options=op_options, model_kwargs=model_kwargs,
     )  # fmt: skip
-    # position 0 has no prediction: pad the [B, S - 1] outputs on the left
-    outs = tuple(F.pad(o, (1, 0)) for o in (out if return_entropy else (out,)))
-    return outs if return_entropy else outs[0]
+    # position 0 has no prediction: pad the [B, S - 1] outputs on the left (the argmax with -1, "none")
+    outs = tuple(F.pad(o, (1, 0), value=-1 if o.dtype == torch.int64 else 0.0) for o in
+                 (out if isinstance(out, tuple) else (out,)))  # fmt: skip
+    return outs if len(outs) > 1 else outs[0]

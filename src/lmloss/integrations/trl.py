@@ -16,8 +16,15 @@ not scored).
 What the replacement does not cover, it hands to TRL's own method, unchanged: multimodal inputs (pixel
 values, image grids, ...) and MoE models whose load-balancing loss is requested (``compute_aux_loss``).
 Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise its ``ValueError`` at
-`patch` time. A model wrapped by another module at call time (multi-process DDP) raises a ``ValueError``:
-only unwrapped models (one process, or FSDP2, which does not wrap) are supported.
+`patch` time.
+
+**Under DDP** (``accelerate launch`` on several processes wraps the model in
+``torch.nn.parallel.DistributedDataParallel``) the fused computation runs *as the wrapper's forward*
+(`run_as_forward`): DDP's forward is what arms its gradient hooks for the backward (its reducer's
+``prepare_for_backward``) and broadcasts its buffers; a computation that calls the inner model's modules
+directly, as Liger's fused DPO / KTO path did (TRL #7245), gets no gradient all-reduce, and every rank's
+parameters drift apart from the first step. FSDP2 does not wrap (it shards the modules in place): there the
+model is called as it is.
 
 ``patch(trainer, sampler_truncation=True)`` scores the policy's log-probs and entropies (the old policy's
 too) under the distribution the generation sampled from, and the reference's on its full distribution (see
@@ -40,10 +47,29 @@ import torch
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf, trl_preference
 
-__all__ = ["generation_truncation", "is_patched", "patch", "unpatch"]
+__all__ = ["generation_truncation", "is_patched", "patch", "run_as_forward", "unpatch"]
 
 _METHOD = "_get_per_token_logps_and_entropies"
 _STATE_ATTR = "_lmloss_trl_patch"
+
+
+def run_as_forward(model: torch.nn.Module, inner: torch.nn.Module, compute, *args: Any, **kwargs: Any) -> Any:
+    """``compute(inner, *args, **kwargs)``, run as `model`'s forward when `model` wraps `inner`.
+
+    `model`: what the trainer holds (a ``DistributedDataParallel`` under multi-process DDP, or `inner` itself);
+    `inner`: the unwrapped model (``accelerator.unwrap_model(model)``). Where they differ, `inner`'s forward is
+    replaced by `compute` for one call of ``model(*args, **kwargs)``, so that the wrapper's own forward runs
+    around it: DDP's arms the gradient all-reduce of the backward that follows (a computation that bypassed
+    it would leave every rank with its own gradients, TRL #7245) and syncs the buffers. `inner`'s own forward
+    (a class method, or an instance attribute such as accelerate's autocast wrapper) is restored after the
+    call, whatever it raised (`lmloss.integrations.hf.call_through`). Where `model` is `inner` (one process,
+    FSDP2), `compute` is called directly.
+    The tensors `compute` returns are what the call returns (DDP passes a tuple of tensors through as it
+    is). For the trainers' patched methods (this module's, and any other that runs a fused head on a
+    trainer's model)."""
+    if model is inner:
+        return compute(inner, *args, **kwargs)
+    return hf.call_through(inner, compute, *args, caller=model, **kwargs)
 
 
 def _fused_per_token_logps_and_entropies(
@@ -70,16 +96,19 @@ def _fused_per_token_logps_and_entropies(
             compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra,
         )  # fmt: skip
     inner = self.accelerator.unwrap_model(model)
-    if inner is not model:
-        raise ValueError(
-            f"lmloss.integrations.trl: the model is wrapped by {type(model).__name__} (multi-process DDP?); "
-            "only unwrapped models (one process, FSDP2) are supported"
-        )
     options = state["options"]
     reference = getattr(self, "ref_model", None)
     if reference is not None and inner is self.accelerator.unwrap_model(reference):
         options = {**options, "top_k": None, "top_p": None, "min_p": None}  # the reference: its full distribution
     truncated = any(options.get(k) is not None for k in ("top_k", "top_p", "min_p"))
+
+    def score(body: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+        with self.accelerator.autocast():
+            return hf.token_logprobs(
+                body, ids, labels, attention_mask=mask, temperature=self.temperature,
+                return_entropy=compute_entropy, **options,
+            )  # fmt: skip
+
     batch_size = batch_size or input_ids.size(0)
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -88,14 +117,10 @@ def _fused_per_token_logps_and_entropies(
         # score only the completion's tokens that are not padding, as TRL does
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        with self.accelerator.autocast():
-            out = hf.token_logprobs(
-                model, ids, labels, attention_mask=mask, temperature=self.temperature,
-                return_entropy=compute_entropy, **options,
-            )  # fmt: skip
+        out = run_as_forward(model, inner, score, ids, labels, mask)  # through DDP's forward where it wraps
         logps, entropy = out if compute_entropy else (out, None)
         if truncated:
-            logps = _full_where_dropped(self, model, ids, mask, labels, logps, options)
+            logps = _full_where_dropped(self, model, inner, ids, mask, labels, logps, options)
         all_logps.append(logps[:, -logits_to_keep:])
         if compute_entropy:
             # TRL's entropy is 0.0 where the label is not scored, as token_logprobs' (which does not compute
@@ -106,7 +131,7 @@ def _fused_per_token_logps_and_entropies(
     return torch.cat(all_logps), entropies, None
 
 
-def _full_where_dropped(self, model, ids, mask, labels, logps, options) -> torch.Tensor:
+def _full_where_dropped(self, model, inner, ids, mask, labels, logps, options) -> torch.Tensor:
     """`logps` with each scored token outside the policy's kept set (-inf) scored on the full distribution.
 
     Such a token was sampled by the generation, so the policy scoring it has moved since (a later iteration
@@ -115,14 +140,26 @@ def _full_where_dropped(self, model, ids, mask, labels, logps, options) -> torch
     again (rare: the body runs once more for them alone), without truncation, at those tokens only."""
     dropped = torch.isneginf(logps) & (labels != -100)
     rows = dropped.any(-1).nonzero()[:, 0]
+    group = getattr(model, "process_group", None) if model is not inner else None
+    if group is not None:
+        # under DDP every rank must run the same forwards (each broadcasts buffers and arms the reducer):
+        # where any rank has such a token, every rank scores its whole chunk again (its other labels -100)
+        anywhere = torch.tensor([rows.numel()], dtype=torch.int64, device=logps.device)
+        torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX, group=group)
+        if anywhere.item() > 0:
+            rows = torch.arange(logps.size(0), device=logps.device)
     if rows.numel() == 0:
         return logps
     again = labels[rows].masked_fill(~dropped[rows], -100)
-    with self.accelerator.autocast():
-        full = hf.token_logprobs(
-            model, ids[rows], again, attention_mask=mask[rows], temperature=self.temperature,
-            **{**options, "top_k": None, "top_p": None, "min_p": None},
-        )  # fmt: skip
+    full_options = {**options, "top_k": None, "top_p": None, "min_p": None}
+
+    def score(body: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+        with self.accelerator.autocast():
+            return hf.token_logprobs(
+                body, ids, labels, attention_mask=mask, temperature=self.temperature, **full_options
+            )  # fmt: skip
+
+    full = run_as_forward(model, inner, score, ids[rows], again, mask[rows])  # with gradients: through DDP too
     return logps.index_put((rows,), torch.where(dropped[rows], full, logps[rows]))
 
 

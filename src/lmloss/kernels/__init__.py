@@ -9,7 +9,7 @@ labels ``[c]`` (int64, or None). For a valid column ``j < valid`` write
 ``y_j = scale * softcap(x_j)``, where ``softcap(x) = cap * tanh(x / cap)`` (the identity when cap is 0),
 computed in fp32. Padded columns (``j >= valid``) take no part in anything and get a zero gradient.
 
-``softmax_partials(x, labels, math, *, entropy, target, sum_logits) -> [c, 5]`` fp32, per row, relative
+``softmax_partials(x, labels, math, *, entropy, target, sum_logits, sum_sq=False, argmax=False) -> [c, 5]`` fp32, per row, relative
 to this shard only (combined over the TP group afterwards by `lmloss.vocab_parallel.combine_partials`):
 
     0: m = max_j y_j            (-inf when the shard has no valid column)
@@ -17,6 +17,19 @@ to this shard only (combined over the TP group afterwards by `lmloss.vocab_paral
     2: t = sum_j exp(y_j - m) * (y_j - m)    if entropy, else 0 (a column with exp(...) == 0 adds 0)
     3: y_label (label owned by this shard)  if target, else 0 (also 0 when not owned or ignored)
     4: sum_j y_j                            if sum_logits, else 0
+
+With ``sum_sq`` or ``argmax`` (the by-products of the per-token ops, issue #42) the partials are ``[c, 8]``:
+the five columns above, then
+
+    5: s2 = sum_j exp(2 (y_j - m))          if sum_sq, else 0 (the same shift m as s: log sum p^2 = log s2 - 2 log s)
+    6: v = max_j y_j                        if argmax, else 0 (-inf when the shard has no kept valid column)
+    7: the global id ``vocab_start + j`` of the lowest column with y_j == v, as a float (exact: the plan
+       keeps the vocabulary below 2**24), -1 when v is -inf; if argmax, else 0
+
+over the same columns as the others (the kept valid ones); ``v`` is column 0's ``m`` wherever the kernels shift
+by the shard's own max (the PyTorch kernels' kept path shifts by the threshold search's global max instead).
+`lmloss.vocab_parallel.combine_partials` combines them (``s2`` rescaled by ``exp(2 (m - M))``; ``v`` in the
+same MAX as ``m``, the lowest id of the ranks whose ``v`` is the global one in the same SUM).
 
 ``softmax_grad_(x, labels, lse, entropy, coef, math, out) -> out`` writes ``d/dx`` of the chunk's outputs
 into `out` (any float dtype; `out` may be `x` itself), from the per-row coefficients ``coef [c, 4]`` fp32
@@ -113,12 +126,14 @@ their contract is in that module) on the same fp32 products ``x * scale``: the s
 ``[c, V]`` buffer.
 
 **Invariant mode** (``invariant=True`` of the ops, docs/invariant.md): instead of `softmax_partials`, the
-objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, keep_min=None,
+objectives ask for ``block_partials(x, labels, math, *, entropy, target, sum_logits, argmax=False, keep_min=None,
 kept_exps=None, block=INVARIANT_BLOCK, global_max=None, overwrite=False) -> BlockPartials``: the same sums
 taken over fixed blocks of `INVARIANT_BLOCK` columns (local columns ``[b B, (b + 1) B)``; the plan checks
 that every shard starts at a multiple of B, so local block b is global block ``vocab_start / B + b``). Per
 block, over its kept valid columns: ``s_b = sum exp(y - m_b)``, ``t_b = sum exp(y - m_b) (y - m_b)`` (if
-entropy), ``sum y`` (if sum_logits), and per row the target as in `softmax_partials` (``[c]``), where the
+entropy), ``sum y`` (if sum_logits), and per row the target as in `softmax_partials` (``[c]``) and, if
+argmax, `BlockPartials.top` (the row's max and its lowest id: exact, no blocks; ``sum_sq`` has no block form,
+the plan refuses it in this mode), where the
 shift ``m_b`` is the block's own max of y (-inf when it has none), or, when the implementation calls
 ``global_max(values [c, k]) -> [c, k]`` (one MAX over the TP group; with sum_logits its last column is the
 largest finite ``|sum y|`` block's magnitude), the row's global max for every block. A block's sums are
@@ -156,7 +171,10 @@ class BlockPartials:
     exp(y - m), `t` the entropy numerator (None unless asked), `sum_y` (None unless asked); `target` ``[c]``
     y at the label where this shard owns it, else 0. `m` is the block's max of y (-inf: no kept valid
     column), or with `global_max` the row's max over the whole vocabulary (every rank's), already agreed;
-    then `y_scale` ``[c]`` (with `sum_y`) is the largest finite ``|sum_y|`` block's over every rank too."""
+    then `y_scale` ``[c]`` (with `sum_y`) is the largest finite ``|sum_y|`` block's over every rank too.
+    `top` ``[c, 2]`` (with ``argmax``, else None): per row the shard's largest y over its kept valid columns and
+    the global id of its lowest column (-inf and -1 where it has none), as the partials' columns 6 and 7: a max
+    and its position are exact, so they need no block form."""
 
     m: torch.Tensor
     s: torch.Tensor
@@ -165,6 +183,7 @@ class BlockPartials:
     target: torch.Tensor
     global_max: bool = False
     y_scale: torch.Tensor | None = None
+    top: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -182,7 +201,7 @@ class BlockPartials:
 
         m = self.m.expand(-1, self.s.shape[1])
         return BlockPartials(pad(m, float("-inf")), pad(self.s, 0.0), pad(self.t, 0.0), pad(self.sum_y, 0.0),
-                             self.target, self.global_max)  # fmt: skip
+                             self.target, self.global_max, top=self.top)  # fmt: skip
 
     @staticmethod
     def cat(parts: list[BlockPartials]) -> BlockPartials:
@@ -197,13 +216,16 @@ class BlockPartials:
             return torch.cat([torch.zeros_like(p.s) if v is None else v for p, v in zip(parts, values)])
 
         m = torch.cat([p.m.expand(-1, width) for p in parts])
+        if any(p.top is not None for p in parts):
+            raise ValueError("BlockPartials.cat: the by-products' argmax rides with one set of rows only")
         return BlockPartials(m, cat("s"), cat("t"), cat("sum_y"), cat("target"), all(p.global_max for p in parts))
 
     def cast(self, dtype: torch.dtype) -> BlockPartials:
         def to(t):
             return None if t is None else t.to(dtype)
 
-        return BlockPartials(to(self.m), to(self.s), to(self.t), to(self.sum_y), to(self.target), self.global_max)
+        return BlockPartials(to(self.m), to(self.s), to(self.t), to(self.sum_y), to(self.target), self.global_max,
+                             top=to(self.top))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,7 +229,8 @@ def kernel_rows(
             tk._softmax_partials_kernel, tk.FORWARD_BLOCKS, valid,
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "valid": i32,
              "vocab_start": i32, **math, "keep_ptr": "*fp32", "live_ptr": "*i1"},
-            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False, LIVE=False), False, True,
+            dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False, LIVE=False, SUM_SQ=False, ARGMAX=False,
+                 WIDTH=5), False, True,
         ),
         "backward": (tk._softmax_grad_kernel, tk.BACKWARD_BLOCKS, width, grad_sig,
                      dict(flags, ENTROPY=on, LABELS=True, KEEP=False, DIFF=False), False, True),
@@ -270,7 +271,7 @@ def kernel_rows(
             {"x_ptr": "*bf16", "x_row_stride": i32, "labels_ptr": "*i64", "out_ptr": "*fp32", "target_ptr": "*fp32",
              "valid": i32, "n_blocks": i32, "vocab_start": i32, **math, "keep_ptr": "*fp32"},
             dict(flags, ENTROPY=on, TARGET=True, SUM_LOGITS=on, KEEP=False, BLOCK=INVARIANT_BLOCK,
-                 GROUP=tk.BLOCK_GROUP), False, False,
+                 GROUP=tk.BLOCK_GROUP, ARGMAX=False), False, False,
         ),
     }  # fmt: skip
     rows = []

@@ -104,12 +104,13 @@ class _Leftover:
     difference: torch.Tensor | None = None  # the chunk ``x - z`` was written over before x was worked in place
 
 
-def _lse_only(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: bool, sum_logits: bool) -> bool:
+def _lse_only(x, math: ChunkMath, acc, keep_exps: bool, entropy: bool, target: bool, sum_logits: bool,
+              extras: bool = False) -> bool:
     """Whether `TorchKernels._partials` is asked for a read-only chunk's ``m`` and ``s`` alone (no softcap): then
     the scaled logits need not be written before they are shifted, and the exps go to the "exps" buffer (the
     folded full KL's reference: the policy's in-place partials that follow use no other). The outputs that other
     ops compare bit for bit (the target, the entropy, a chunk the caller owns) keep the two-rounding path."""
-    return not (keep_exps or entropy or target or sum_logits or math.softcap) and x.dtype == acc
+    return not (keep_exps or entropy or target or sum_logits or extras or math.softcap) and x.dtype == acc
 
 
 class TorchKernels:
@@ -129,8 +130,8 @@ class TorchKernels:
         return left
 
     def softmax_partials(
-        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, overwrite=False,
-        keep_min=None, kept_exps=None, live=None, difference_into=None,
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, sum_sq: bool = False,
+        argmax: bool = False, overwrite=False, keep_min=None, kept_exps=None, live=None, difference_into=None,
     ) -> torch.Tensor:  # fmt: skip
         """`overwrite=True`: `x` is scratch of the caller's; an fp32 `x` is worked on in place. `live` (the
         rows that count) is not used: whole-chunk tensor ops compute every row (the caller masks the others).
@@ -140,17 +141,19 @@ class TorchKernels:
         on in place, ``x - z`` is written over this chunk first, for `softmax_grad_with_difference_`."""
         with serial_row_reductions(x.shape[0], x.device):
             if keep_min is not None:
-                return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps)
+                return self._partials_kept(x, labels, math, entropy, target, sum_logits, keep_min, kept_exps,
+                                           sum_sq=sum_sq, argmax=argmax)  # fmt: skip
             acc = compute_dtype(x.dtype)
             in_place = overwrite and x.dtype == acc and not math.softcap
             take = difference_into if in_place and difference_into is not None and difference_into.dtype == acc else None
             # a difference asked for and not taken: x stays as it is, for the gradient to take it from
             keep_exps = overwrite and (difference_into is None or take is not None)
-            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=keep_exps, difference_into=take)
+            return self._partials(x, labels, math, entropy, target, sum_logits, keep_exps=keep_exps, difference_into=take,
+                                  sum_sq=sum_sq, argmax=argmax)  # fmt: skip
 
     def block_partials(
-        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, keep_min=None,
-        kept_exps=None, block: int = INVARIANT_BLOCK, global_max=None, overwrite: bool = False,
+        self, x, labels, math: ChunkMath, *, entropy: bool, target: bool, sum_logits: bool, argmax: bool = False,
+        keep_min=None, kept_exps=None, block: int = INVARIANT_BLOCK, global_max=None, overwrite: bool = False,
     ) -> BlockPartials:  # fmt: skip
         """The invariant mode's sums per block of `block` columns (`lmloss.kernels`), in `softmax_partials`'
         passes (transform, max, shift, exp, sums) with each sum taken per block (`block_sums`: an order fixed
@@ -163,6 +166,9 @@ class TorchKernels:
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
         target_out = torch.zeros(rows, dtype=acc, device=x.device)
+        top = None
+        if argmax:  # (-inf, -1): no kept valid column, until the chunk is read below
+            top = torch.tensor([float("-inf"), -1.0], dtype=acc, device=x.device).repeat(rows, 1)
         if n_valid == 0:  # a shard of padding only (TP): no block, and the MAX the other ranks make
             empty = torch.zeros((rows, 0), dtype=acc, device=x.device)
             m = torch.full((rows, 1), float("-inf"), dtype=acc, device=x.device)
@@ -176,10 +182,10 @@ class TorchKernels:
                     m = m if kept_exps is not None else agreed[:, :1]
                     y_scale = agreed[:, -1] if sum_logits else None
             return BlockPartials(m, empty, empty if entropy else None, empty if sum_logits else None, target_out,
-                                 global_max is not None, y_scale)  # fmt: skip
+                                 global_max is not None, y_scale, top)  # fmt: skip
         xv = x[:, :n_valid]
         identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
-        if global_max is not None and kept_exps is not None and kept_exps[2] is not None and not (entropy or sum_logits):
+        if global_max is not None and kept_exps is not None and kept_exps[2] is not None and not (entropy or sum_logits or argmax):
             # the threshold search summed the kept set's mass exactly (this rank's share: all of it on the
             # group's first rank): one block of it, and no pass over the chunk
             _, big_m, kept_mass = kept_exps
@@ -206,6 +212,9 @@ class TorchKernels:
         if target:
             idx, owned = local_targets(labels, math)
             target_out = torch.where(owned, y.gather(1, idx[:, None]).squeeze(1), 0.0)
+        if argmax:  # over the kept valid columns (the others are -inf now)
+            v, first = y.max(dim=-1)
+            _put_argmax(top, v, first, math, columns=(0, 1))
         sum_y = y_scale = None
         if sum_logits:
             sum_y = block_sums(y if kept is None else torch.where(kept, y, 0.0), block)
@@ -229,7 +238,7 @@ class TorchKernels:
             m = big_m[:, None]
             shift = m.clamp(min=_FP32_MIN)
             if exps is not None and not entropy:
-                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True, y_scale)
+                return BlockPartials(m, block_sums(exps, block), None, sum_y, target_out, True, y_scale, top)
         shifted = y if y is not xv or (overwrite and kept is None) else scratch_y
         if shift.shape[1] == 1:
             torch.sub(y, shift, out=shifted)
@@ -237,7 +246,7 @@ class TorchKernels:
             _sub_per_block(y, shift, block, out=shifted)
         agreed = global_max is not None
         if not entropy:
-            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, agreed, y_scale)
+            return BlockPartials(m, block_sums(shifted.exp_(), block), None, sum_y, target_out, agreed, y_scale, top)
         if global_max is None or kept_exps is None:
             exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
         if global_max is not None and kept_exps is not None and kept_exps[2] is not None:
@@ -248,7 +257,7 @@ class TorchKernels:
             s = block_sums(exps, block)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN; their term is 0
         t = block_sums(shifted.mul_(exps), block)
-        return BlockPartials(m, s, t, sum_y, target_out, agreed, y_scale)
+        return BlockPartials(m, s, t, sum_y, target_out, agreed, y_scale, top)
 
     def scaled(self, x, math: ChunkMath) -> torch.Tensor:
         """``scale * softcap(x)`` of the valid columns in a scratch buffer, rounded exactly as the partials
@@ -260,7 +269,8 @@ class TorchKernels:
             return x[:, : math.valid]  # y is x itself (read-only): no copy
         return transform_into(self.scratch.get("y", x.shape[0], math.valid, acc), x[:, : math.valid], math)
 
-    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps):
+    def _partials_kept(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_min, kept_exps, *,
+                       sum_sq=False, argmax=False):
         """The partials over the kept columns ``x >= keep_min`` (the threshold is on the logits themselves:
         the set is the search's, whatever the transform rounds). The exps are those of every column (an exp
         of -inf takes CPUs' slow path), multiplied by the kept mask, a 0 / 1 float tensor (a bool mask in
@@ -270,9 +280,8 @@ class TorchKernels:
         (``sum exp(y - shift)`` over the kept set) too, ``s`` is that, and only the target is read."""
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
-        out = torch.zeros((rows, 5), dtype=acc, device=x.device)
+        out = _new_partials(rows, acc, x.device, sum_sq, argmax)
         if n_valid == 0:
-            out[:, 0] = float("-inf")
             return out
         identity = x.dtype == acc and math.scale == 1.0 and not math.softcap
         if identity:
@@ -282,6 +291,8 @@ class TorchKernels:
         else:
             y = transform_into(self.scratch.get("y", rows, n_valid, acc), x[:, :n_valid], math)
         self._scaled_of = None
+        if argmax:
+            _kept_argmax(out, y, x[:, :n_valid], keep_min, math)
         kept_mass = None
         if kept_exps is not None:
             exps, shift, kept_mass = kept_exps
@@ -296,16 +307,18 @@ class TorchKernels:
             y_label = y.gather(1, idx[:, None]).squeeze(1)
             x_label = x.gather(1, idx[:, None]).squeeze(1).to(acc)
             out[:, 3] = torch.where(owned, torch.where(x_label >= keep_min, y_label, float("-inf")), 0.0)
-        if kept_mass is not None and not entropy and not sum_logits:
+        if kept_mass is not None and not entropy and not sum_logits and not sum_sq:
             out[:, 1] = kept_mass  # the threshold search summed it: no pass over the chunk
             return out
         kept = torch.ge(x[:, :n_valid], keep_min[:, None], out=self.scratch.get("kept", rows, n_valid, acc))
-        if sum_logits:
-            out[:, 4] = (y * kept).sum(dim=-1)
+        if sum_logits:  # a row-wise dot product: no chunk-sized product (the kept mask is 0 / 1)
+            out[:, 4] = torch.bmm(y[:, None, :], kept[:, :, None]).view(-1)
         if not entropy:  # exps in the "exps" buffer: the threshold search's, already paged in
             if exps is None:
                 exps = torch.sub(y, shift[:, None], out=self.scratch.get("exps", rows, n_valid, acc)).exp_()
             out[:, 1] = exps.mul_(kept).sum(dim=-1)
+            if sum_sq:
+                out[:, 5] = _sum_of_squares(exps)
             return out
         if identity:
             shifted = torch.sub(y, shift[:, None], out=self.scratch.get("y", rows, n_valid, acc))
@@ -315,19 +328,21 @@ class TorchKernels:
             exps = torch.exp(shifted, out=self.scratch.get("exps", rows, n_valid, acc))
         exps.mul_(kept)
         out[:, 1] = exps.sum(dim=-1)
+        if sum_sq:
+            out[:, 5] = _sum_of_squares(exps)
         shifted.clamp_(min=_FP32_MIN)  # -inf logits: 0 * -inf would be NaN
         out[:, 2] = exps.mul_(shifted).sum(dim=-1)
         return out
 
-    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps, difference_into=None):
+    def _partials(self, x, labels, math: ChunkMath, entropy, target, sum_logits, keep_exps, difference_into=None, *,
+                  sum_sq=False, argmax=False):  # fmt: skip
         rows, n_valid = x.shape[0], math.valid
         acc = compute_dtype(x.dtype)
-        out = torch.zeros((rows, 5), dtype=acc, device=x.device)
+        out = _new_partials(rows, acc, x.device, sum_sq, argmax)
         if n_valid == 0:
-            out[:, 0] = float("-inf")
             return out
         xv = x[:, :n_valid]  # padded vocabulary columns are a suffix: a view drops them
-        if _lse_only(x, math, acc, keep_exps, entropy, target, sum_logits):
+        if _lse_only(x, math, acc, keep_exps, entropy, target, sum_logits, sum_sq or argmax):
             # only ``m`` and ``sum exp(scale x - m)`` (a reference head's, a full vocabulary's): ``m = scale * max x``
             # (rounding is monotonic: the max of the rounded products) and, under a temperature, the shift in one
             # fused pass ``scale * x - m`` (one rounding) instead of writing ``scale * x`` first: one pass fewer
@@ -351,7 +366,11 @@ class TorchKernels:
             y = xv  # read-only: shifted into scratch below in one pass
         else:
             y = transform_into(self.scratch.get("y", rows, n_valid, acc), xv, math)
-        m = y.amax(dim=-1)
+        if argmax:  # the max and its first column in the one pass the max takes anyway
+            m, top = y.max(dim=-1)
+            _put_argmax(out, m, top, math)
+        else:
+            m = y.amax(dim=-1)
         out[:, 0] = m
         if target:
             idx, owned = local_targets(labels, math)
@@ -377,6 +396,8 @@ class TorchKernels:
         else:
             exps, e_shifted = shifted.exp_(), None
             out[:, 1] = exps.sum(dim=-1)
+        if sum_sq:
+            out[:, 5] = _sum_of_squares(exps)
         # x itself is intact unless it was worked on in place: `softmax_grad_with_difference_` of the same chunk
         # reuses what is left in the scratch (``exp(y - m)``, and ``exp(y - m)(y - m)`` with the entropy)
         if difference_into is not None:
@@ -497,6 +518,45 @@ class TorchKernels:
         elif bool(inactive.any()):  # eager: only those rows written (a broadcast row mask reads a flag per element:
             # 3-4x the time at [16384, 256] or [128, 32000] with half the rows inactive)
             work.index_fill_(0, inactive.nonzero()[:, 0], 0.0)
+
+
+def _new_partials(rows: int, dtype: torch.dtype, device: torch.device, sum_sq: bool, argmax: bool) -> torch.Tensor:
+    """Zeroed partials ``[rows, 5]``, or ``[rows, 8]`` with the by-products' columns (`lmloss.kernels`), whose
+    max (column 0, and 6 with the argmax) is -inf and id (column 7) -1: a shard with no kept valid column."""
+    out = torch.zeros((rows, 8 if sum_sq or argmax else 5), dtype=dtype, device=device)
+    out[:, 0] = float("-inf")
+    if argmax:
+        out[:, 6], out[:, 7] = float("-inf"), -1.0
+    return out
+
+
+def _put_argmax(out: torch.Tensor, v: torch.Tensor, top: torch.Tensor, math: ChunkMath, columns=(6, 7)) -> None:
+    """Columns 6 and 7 of the partials (`columns` of `out`) from each row's max `v` and its local column `top`:
+    the global id, or -1 where the row's max is -inf (no kept valid column)."""
+    out[:, columns[0]] = v
+    out[:, columns[1]] = torch.where(v == float("-inf"), -1, top + math.vocab_start).to(out.dtype)
+
+
+def _kept_argmax(out: torch.Tensor, y: torch.Tensor, xv: torch.Tensor, keep_min: torch.Tensor, math: ChunkMath):
+    """`_put_argmax` over the kept columns ``x >= keep_min``: y is monotone in x, so the row's first largest y is
+    a kept column unless the transform's rounding ties it with a dropped one (then, and where this shard keeps
+    nothing, those rows are taken again over their kept columns alone: no chunk-sized buffer otherwise)."""
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph: the masked max (fused there)
+        v, top = torch.where(xv >= keep_min[:, None], y, float("-inf")).max(dim=-1)
+        _put_argmax(out, v, top, math)
+        return
+    v, top = y.max(dim=-1)
+    outside = xv.gather(1, top[:, None]).squeeze(1).to(keep_min.dtype) < keep_min
+    if bool(outside.any()):
+        rows = outside.nonzero()[:, 0]
+        sub = y[rows].masked_fill_(xv[rows] < keep_min[rows, None], float("-inf"))
+        v[rows], top[rows] = sub.max(dim=-1)
+    _put_argmax(out, v, top, math)
+
+
+def _sum_of_squares(exps: torch.Tensor) -> torch.Tensor:
+    """``sum_j exps_j**2`` per row without a chunk-sized temporary (a norm's reduction, squared)."""
+    return torch.linalg.vector_norm(exps, dim=-1).square_()
 
 
 def _block_max(y: torch.Tensor, block: int) -> torch.Tensor:

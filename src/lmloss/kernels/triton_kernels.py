@@ -93,6 +93,11 @@ def cross_entropy_config(n_cols: int, softcap: bool) -> tuple[int, int, int]:
         return (*block_config(n_cols, FORWARD_BLOCKS), 1)
     return (*block_config(n_cols, CROSS_ENTROPY_BLOCKS), CROSS_ENTROPY_PROGRAMS_PER_SM)
 _MIN_BLOCK = 16
+#: The forward's largest BLOCK_V with the by-products (`softmax_partials`' sum_sq / argmax): at FORWARD_BLOCKS'
+#: 8192 x 16 warps, temperature + softcap + entropy + smoothing + both by-products took 128 registers and 41
+#: spills (static sm_90 compile, 128256 bf16 columns); at 4096 x 16 warps 87 registers, no spill, 42.5 instructions
+#: per element; the by-products alone at default options 64 registers, 17.0 per element (the plain kernel 10.5).
+BYPRODUCT_BLOCK_V = 4096
 
 
 def block_config(n_cols: int, table: tuple[tuple[float, int, int], ...]) -> tuple[int, int]:
@@ -152,31 +157,49 @@ def transform(x, scale, inv_cap, cap_scale, SCALE: tl.constexpr, SOFTCAP: tl.con
 
 
 @triton.jit
-def _lane_step(m, s, t, y, ENTROPY: tl.constexpr, FAST: tl.constexpr):
-    # One element per lane of the streaming softmax, each lane keeping its own running max m, sum s and
-    # entropy numerator t (relative to m); one exp per element: exp(-|y - m|) is the element's own term
-    # when y <= m and the rescale of the lane's sums when y > m (the element then adds exp(0) = 1).
-    # m starts at -FLT_MAX, not -inf, so that y = -inf gives d = -inf and exp = 0, never inf - inf.
+def _lane_step(m, s, t, s2, y, ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr, FAST: tl.constexpr):
+    # One element per lane of the streaming softmax, each lane keeping its own running max m, sum s,
+    # entropy numerator t and (SUM_SQ) sum of squared exps s2 (relative to m); one exp per element:
+    # exp(-|y - m|) is the element's own term when y <= m and the rescale of the lane's sums when y > m (the
+    # element then adds exp(0) = 1). m starts at -FLT_MAX, not -inf, so that y = -inf gives d = -inf and
+    # exp = 0, never inf - inf.
     d = y - m
     e = fast_exp2(tl.abs(d) * -1.4426950408889634, FAST)
     up = d > 0.0
     if ENTROPY:  # up: t <- e (t - d s) (the shift to the new max; the element adds 0); else t += e d
         t = tl.where(up, e * (t - d * s), t + e * tl.maximum(d, -3.4028234663852886e38))
+    if SUM_SQ:  # the squares of the same exps: e**2 rescales them, or is the element's own
+        s2 = tl.where(up, s2 * (e * e) + 1.0, s2 + e * e)
     s = tl.where(up, s * e + 1.0, s + e)
     m = tl.where(up, y, m)
-    return m, s, t
+    return m, s, t, s2
 
 
 @triton.jit
-def _lanes_reduce(m, s, t, ENTROPY: tl.constexpr, FAST: tl.constexpr):
-    # The row's (max, sum exp, entropy numerator) from the lanes' once per row; -inf max when nothing is finite.
+def _lanes_reduce(m, s, t, s2, ENTROPY: tl.constexpr, SUM_SQ: tl.constexpr, FAST: tl.constexpr):
+    # The row's (max, sum exp, entropy numerator, sum of squared exps) from the lanes' once per row; -inf max
+    # when nothing is finite.
     big_m = tl.max(m, 0)
     w = fast_exp2((m - big_m) * 1.4426950408889634, FAST)
     s_row = tl.sum(s * w, 0)
     t_row = 0.0
     if ENTROPY:
         t_row = tl.sum(tl.where(s > 0.0, w * (t + (m - big_m) * s), 0.0), 0)
-    return tl.where(s_row > 0.0, big_m, -float("inf")), s_row, t_row
+    s2_row = 0.0
+    if SUM_SQ:
+        s2_row = tl.sum(s2 * (w * w), 0)
+    return tl.where(s_row > 0.0, big_m, -float("inf")), s_row, t_row, s2_row
+
+
+@triton.jit
+def _lane_argmax(best, m, y, col, TIES: tl.constexpr):
+    # Each lane's lowest column holding its max (before the lane step updates m). The main loop visits a lane's
+    # columns in increasing order, so a strictly larger y is enough there (the first of equal ones stays); the
+    # edge (TIES) holds the row's head columns, visited after the main blocks: an equal y at a lower column wins.
+    if TIES:
+        return tl.where((y > m) | ((y == m) & (col < best)), col, best)
+    else:
+        return tl.where(y > m, col, best)
 
 
 @triton.jit
@@ -197,7 +220,9 @@ def edge_cols(j, head, n_main):
 # Contract: x rows of x_row_stride elements, columns [0, valid) are vocabulary; labels [c] integer (global ids),
 # read only when TARGET. Writes out[row, 0:5] (fp32, contiguous) = (m, s, t, target, sum_y):
 #   m = max_j y_j (-inf if nothing is finite), s = sum_j exp(y_j - m), t = sum_j exp(y_j - m) * (y_j - m) with
-#   exp(..) == 0 terms exactly 0, target = y at label - vocab_start if owned else 0, sum_y = sum_j y_j.
+#   exp(..) == 0 terms exactly 0, target = y at label - vocab_start if owned else 0, sum_y = sum_j y_j;
+# with WIDTH 8 also out[row, 5:8] = (s2, v, id): s2 = sum_j exp(2 (y_j - m)) (SUM_SQ), v = m and id = vocab_start +
+#   the lowest column with y_j == v, -1 when v is -inf (ARGMAX); 0 where not asked.
 # ALIGN: elements per 16 bytes when x's base is 16-byte aligned (else 1): the main loop starts at each row's
 # first aligned column, so its loads are 16 bytes wide whatever the width and row stride.
 @triton.jit
@@ -205,7 +230,8 @@ def _softmax_partials_kernel(
     x_ptr, x_row_stride, labels_ptr, out_ptr, valid, vocab_start, scale, inv_cap, cap_scale, keep_ptr, live_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FAST: tl.constexpr,
-    KEEP: tl.constexpr, LIVE: tl.constexpr,
+    KEEP: tl.constexpr, LIVE: tl.constexpr, SUM_SQ: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+    WIDTH: tl.constexpr = 5,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_start = row * x_row_stride
@@ -230,7 +256,9 @@ def _softmax_partials_kernel(
     m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
     s = tl.zeros([BLOCK_V], tl.float32)
     t = tl.zeros([BLOCK_V], tl.float32)
+    s2 = tl.zeros([BLOCK_V], tl.float32)
     sum_y = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([BLOCK_V], 2147483647, tl.int32)
     for k in range(0, n_main, BLOCK_V):
         x = tl.load(x_main + k + offs)
         y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
@@ -241,29 +269,47 @@ def _softmax_partials_kernel(
             y = tl.where(kept, y, -float("inf"))
         elif SUM_LOGITS:
             sum_y += y
-        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
+        if ARGMAX:
+            best = _lane_argmax(best, m, y, head + k + offs, False)
+        m, s, t, s2 = _lane_step(m, s, t, s2, y, ENTROPY, SUM_SQ, FAST)
     n_edge = valid - n_main
     for e0 in range(0, n_edge, BLOCK_V):
         j = e0 + offs
         mask = j < n_edge
-        x = tl.load(x_row + edge_cols(j, head, n_main), mask=mask, other=0.0)
+        cols = edge_cols(j, head, n_main)
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
         y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
         if KEEP:
             mask = mask & (x.to(tl.float32) >= keep)
         y = tl.where(mask, y, -float("inf"))
-        m, s, t = _lane_step(m, s, t, y, ENTROPY, FAST)
+        if ARGMAX:
+            best = _lane_argmax(best, m, y, cols, True)
+        m, s, t, s2 = _lane_step(m, s, t, s2, y, ENTROPY, SUM_SQ, FAST)
         if SUM_LOGITS:
             sum_y += tl.where(mask, y, 0.0)
-    m_row, s_row, t_row = _lanes_reduce(m, s, t, ENTROPY, FAST)
+    m_row, s_row, t_row, s2_row = _lanes_reduce(m, s, t, s2, ENTROPY, SUM_SQ, FAST)
+    top = 0
+    if ARGMAX:  # the lowest column among the lanes that hold the row's max
+        first = tl.min(tl.where(m == tl.max(m, 0), best, 2147483647), 0)
+        top = tl.where((m_row == -float("inf")) | (first == 2147483647), -1, first + vocab_start)
+    v_row = m_row
     if LIVE:
         m_row = tl.where(valid > 0, m_row, 0.0)
         s_row = tl.where(valid > 0, s_row, 1.0)
-    out_row = out_ptr + row * 5
+    out_row = out_ptr + row * WIDTH
     tl.store(out_row + 0, m_row)
     tl.store(out_row + 1, s_row)
     tl.store(out_row + 2, t_row)
     tl.store(out_row + 3, target)
     tl.store(out_row + 4, tl.sum(sum_y, 0))
+    if WIDTH == 8:
+        tl.store(out_row + 5, s2_row)
+        if ARGMAX:
+            tl.store(out_row + 6, v_row)
+            tl.store(out_row + 7, top.to(tl.float32))
+        else:
+            tl.store(out_row + 6, 0.0)
+            tl.store(out_row + 7, 0.0)
 
 
 @triton.jit
@@ -276,7 +322,8 @@ def _fixed(v):
 @triton.jit
 def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE: tl.constexpr,
                 SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr,
-                FAST: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                FAST: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr, ARGMAX: tl.constexpr = False,
+                BLOCK: tl.constexpr = 128):  # fmt: skip
     # One [GROUP, BLOCK] tile of a row: block b0 + i is its row i. Every sum is an int32 sum of rounded fixed-point
     # terms (exact: no order, so no layout, alignment or code path changes a bit), stored as fp32. Returns the tile's
     # exps summed per lane (NaN where a NaN or +inf y made one NaN), for the row's check.
@@ -297,10 +344,16 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
     if not SOFTCAP and SCALE:
         m = m * scale
     blk = b0 + tl.arange(0, GROUP)
-    out = out_ptr + (row * n_blocks + blk) * 4
+    out = out_ptr + (row * n_blocks + blk) * (5 if ARGMAX else 4)
     in_row = blk < n_blocks
     tl.store(out + 0, m, mask=in_row)
     tl.store(out + 1, s, mask=in_row)
+    if ARGMAX:  # the block's lowest column holding its largest y (y as stored: times the scale)
+        ys = y
+        if not SOFTCAP and SCALE:
+            ys = y * scale
+        first = tl.min(tl.where(ys == tl.max(ys, 1)[:, None], tl.arange(0, BLOCK)[None, :], BLOCK), 1)
+        tl.store(out + 4, first.to(tl.float32), mask=in_row)
     if ENTROPY:  # e (y - m) in [-1/e, 0]; 0 where e is 0 (no 0 * -inf)
         d = tl.maximum(y * k2 - shift2[:, None], -3.4028234663852886e38) * 0.6931471805599453  # y - m
         t = tl.sum(_fixed(e * d * 4194304.0), 1).to(tl.float32)
@@ -328,6 +381,8 @@ def _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_s
 # sum_y_b): the block's max of y (-inf: none), sum exp(y - m_b), sum exp(y - m_b) (y - m_b) (0-terms exactly 0),
 # sum y. The sums are of fixed-point terms (2**-22 units of exp(y - m_b); sum y in 2**-22 units of the block's
 # largest |y|'s binary octave) in int32, exact: a block's sums depend on its own columns alone, whatever the row,
+# (and, with ARGMAX, out[row, b, 4] = the block's lowest column, within it, holding its max: out is then
+# [c, n_blocks, 5], else [c, n_blocks, 4])
 # the chunk, the shard, the alignment or the compiled layout. A row with a NaN y, or a +inf y, gets NaN s_b and t_b
 # in its first block (the combine makes the row NaN); sum_y_b is NaN / +-inf as a float sum of its non-finite y
 # would be. Also target[row] = y at the label if owned (-inf if KEEP drops it), else 0.
@@ -338,7 +393,7 @@ def _block_partials_kernel(
     cap_scale, keep_ptr,
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TARGET: tl.constexpr,
     SUM_LOGITS: tl.constexpr, KEEP: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, ARGMAX: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + tl.multiple_of(row * x_row_stride, ALIGN)
@@ -359,17 +414,17 @@ def _block_partials_kernel(
     for b0 in range(0, n_main, GROUP):
         x = tl.load(x_row + b0 * BLOCK + cols)
         check += _block_sums(x, cols >= 0, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE,
-                             SOFTCAP, ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False)  # fmt: skip
+                             SOFTCAP, ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, False, ARGMAX, BLOCK)  # fmt: skip
     for b0 in range(n_main, n_blocks, GROUP):
         mask = b0 * BLOCK + cols < valid
         x = tl.load(x_row + b0 * BLOCK + cols, mask=mask, other=0.0)
         check += _block_sums(x, mask, keep, b0, row, out_ptr, n_blocks, scale, inv_cap, cap_scale, SCALE, SOFTCAP,
-                             ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, True)  # fmt: skip
+                             ENTROPY, SUM_LOGITS, KEEP, FAST, GROUP, True, ARGMAX, BLOCK)  # fmt: skip
     if n_blocks > 0:  # a NaN or +inf y anywhere (an exp of NaN): the row's first block's sums are NaN
         nan = tl.sum(tl.sum(check, 1), 0)
-        tl.store(out_ptr + row * n_blocks * 4 + 1, float("nan"), mask=nan != nan)
+        tl.store(out_ptr + row * n_blocks * (5 if ARGMAX else 4) + 1, float("nan"), mask=nan != nan)
         if ENTROPY:
-            tl.store(out_ptr + row * n_blocks * 4 + 2, float("nan"), mask=nan != nan)
+            tl.store(out_ptr + row * n_blocks * (5 if ARGMAX else 4) + 2, float("nan"), mask=nan != nan)
 
 
 @triton.jit
@@ -565,16 +620,16 @@ def _cross_entropy_loss_grad_kernel(
                         eviction_policy="evict_last")  # fmt: skip
             y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
             y = tl.where(mask, y, -float("inf"))
-            m, s, _ = _lane_step(m, s, s, y, False, FAST)
+            m, s, _, _ = _lane_step(m, s, s, s, y, False, False, FAST)
             if SMOOTHING:
                 sum_y += tl.where(mask, y, 0.0)
         for kb in range(0, n_main, BLOCK_V):
             x = tl.load(x_main + kb + offs, eviction_policy="evict_last")
             y, _ = transform(x, scale, inv_cap, cap_scale, SCALE, SOFTCAP, FAST)
-            m, s, _ = _lane_step(m, s, s, y, False, FAST)
+            m, s, _, _ = _lane_step(m, s, s, s, y, False, False, FAST)
             if SMOOTHING:
                 sum_y += y
-        m_row, s_row, t_row = _lanes_reduce(m, s, s, False, FAST)
+        m_row, s_row, t_row, _ = _lanes_reduce(m, s, s, s, False, False, FAST)
         # An ignored row read nothing (m = -inf, s = 0): give it lse 0 so that no inf reaches the arithmetic below.
         m_row = tl.where(live, m_row, 0.0)
         log_s = tl.log(tl.where(live, s_row, 1.0))
@@ -708,6 +763,8 @@ def softmax_partials(
     block_v: int | None = None,
     keep_min: torch.Tensor | None = None,
     live: torch.Tensor | None = None,
+    sum_sq: bool = False,
+    argmax: bool = False,
 ) -> torch.Tensor:
     """Per-row softmax partials of a chunk over this shard's valid columns.
 
@@ -722,25 +779,31 @@ def softmax_partials(
             with ``x < keep_min`` count as padding (a dropped label's target is -inf); None for all columns.
         live: ``[c]`` bool, the rows that count (`lmloss.rows`: a slice's computed-and-masked rows do not):
             a row with False reads nothing and gets ``(0, 1, 0, 0, 0)`` (lse 0); None for every row.
+        sum_sq, argmax: the by-products' columns (`lmloss.kernels`): the partials are then ``[c, 8]``.
 
     Returns:
         fp32 ``[c, 5]``: (max y, sum exp(y - max), sum exp(y - max) * (y - max), y at the label if this shard
-        owns it else 0, sum y), sums over the ``math.valid`` leading columns.
+        owns it else 0, sum y), sums over the ``math.valid`` leading columns; ``[c, 8]`` with (sum exp(2 (y -
+        max)), max y, global id of its lowest column or -1) after them with `sum_sq` or `argmax`.
     """
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     if live is not None:
         live = row_vector("live", live, rows, (torch.bool,))
-    out = torch.empty(rows, 5, dtype=torch.float32, device=x.device)
+    width = 8 if sum_sq or argmax else 5
+    out = torch.empty(rows, width, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
     block, warps = block_for(math.valid, FORWARD_BLOCKS, block_v)
+    if width == 8 and block_v is None:  # two more per-lane arrays (s2, the argmax's column): at 8192 x 16 warps
+        # every option with them spilled (static sm_90 compile); 4096 keeps them in registers
+        block = min(block, BYPRODUCT_BLOCK_V)
     values, flags = math_args(math, x)
     with device_guard(x):
         _softmax_partials_kernel[(rows,)](
             x, x.stride(0), labels if target else x, out, math.valid, math.vocab_start, *values,
             out if keep_min is None else keep_min, out if live is None else live, ENTROPY=entropy, TARGET=target,
             SUM_LOGITS=sum_logits, BLOCK_V=block, ALIGN=alignment(x), KEEP=keep_min is not None,
-            LIVE=live is not None, num_warps=warps, **flags,
+            LIVE=live is not None, SUM_SQ=sum_sq, ARGMAX=argmax, WIDTH=width, num_warps=warps, **flags,
         )  # fmt: skip
     return out
 
@@ -759,6 +822,7 @@ def block_partials(
     target: bool,
     sum_logits: bool,
     keep_min: torch.Tensor | None = None,
+    argmax: bool = False,
 ) -> BlockPartials:
     """The invariant mode's per-block sums of a chunk (`lmloss.kernels.BlockPartials`): blocks of
     `INVARIANT_BLOCK` columns over this shard's valid ones, one program per row walking them, each block's sums
@@ -766,7 +830,7 @@ def block_partials(
     shard, the rows' alignment or the compiled layout. Arguments as in `softmax_partials`."""
     rows, labels, keep_min = _check_partials_args(x, labels, math, target, keep_min)
     n_blocks = triton.cdiv(math.valid, INVARIANT_BLOCK)
-    out = torch.zeros((rows, n_blocks, 4), dtype=torch.float32, device=x.device)
+    out = torch.zeros((rows, n_blocks, 5 if argmax else 4), dtype=torch.float32, device=x.device)
     tgt = torch.zeros(rows, dtype=torch.float32, device=x.device)
     if rows and n_blocks:
         values, flags = math_args(math, x)
@@ -775,11 +839,20 @@ def block_partials(
             _block_partials_kernel[(rows,)](
                 x, x.stride(0), labels if target else x, out, tgt, math.valid, n_blocks, math.vocab_start, *values,
                 tgt if keep_min is None else keep_min, ENTROPY=entropy, TARGET=target, SUM_LOGITS=sum_logits,
-                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, ALIGN=align,
+                KEEP=keep_min is not None, BLOCK=INVARIANT_BLOCK, GROUP=BLOCK_GROUP, ALIGN=align, ARGMAX=argmax,
                 num_warps=BLOCK_WARPS, **flags,
             )  # fmt: skip
+    top = None
+    if argmax:  # the row's max over its blocks' (exact), and the lowest column of the first block holding it
+        top = torch.tensor([float("-inf"), -1.0], device=x.device).repeat(rows, 1)
+        if n_blocks:
+            v, b = out[:, :, 0].max(dim=1)
+            col = b * INVARIANT_BLOCK + out[:, :, 4].gather(1, b[:, None]).squeeze(1).to(torch.int64)
+            top[:, 0] = v
+            top[:, 1] = torch.where(v == float("-inf"), -1, col + math.vocab_start).to(torch.float32)
     return BlockPartials(
-        out[:, :, 0], out[:, :, 1], out[:, :, 2] if entropy else None, out[:, :, 3] if sum_logits else None, tgt
+        out[:, :, 0], out[:, :, 1], out[:, :, 2] if entropy else None, out[:, :, 3] if sum_logits else None, tgt,
+        top=top,
     )
 
 
@@ -1049,19 +1122,20 @@ class TritonKernels:
     name = "triton"
 
     def softmax_partials(
-        self, x, labels, math, *, entropy, target, sum_logits, overwrite=False, keep_min=None, kept_exps=None,
-        live=None, difference_into=None,
+        self, x, labels, math, *, entropy, target, sum_logits, sum_sq=False, argmax=False, overwrite=False,
+        keep_min=None, kept_exps=None, live=None, difference_into=None,
     ):  # fmt: skip
         """`kept_exps` (the threshold search's exps) is not used: the kernel's one pass makes its own. `live`:
         the rows that count; the others are not read (`softmax_partials`). `difference_into` is not used: the
         folded gradient kernel reads both chunks as they are."""
         return softmax_partials(
-            x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, live=live
-        )
+            x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, live=live,
+            sum_sq=sum_sq, argmax=argmax,
+        )  # fmt: skip
 
     def block_partials(
-        self, x, labels, math, *, entropy, target, sum_logits, keep_min=None, kept_exps=None, block=INVARIANT_BLOCK,
-        global_max=None, overwrite=False,
+        self, x, labels, math, *, entropy, target, sum_logits, argmax=False, keep_min=None, kept_exps=None,
+        block=INVARIANT_BLOCK, global_max=None, overwrite=False,
     ):  # fmt: skip
         """The invariant mode's block sums (`block_partials`): each block shifted by its own max, in the one
         pass over the chunk (`global_max` and `kept_exps` are not used). `block` 1 (a replayed support's
@@ -1071,9 +1145,10 @@ class TritonKernels:
 
             return TorchKernels(x.shape[0], x.shape[1], x.device).block_partials(
                 x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min, block=block,
-                global_max=global_max,
+                global_max=global_max, argmax=argmax,
             )  # fmt: skip
-        return block_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min)
+        return block_partials(x, labels, math, entropy=entropy, target=target, sum_logits=sum_logits, keep_min=keep_min,
+                              argmax=argmax)  # fmt: skip
 
     def softmax_grad_(self, x, labels, lse, entropy, coef, math, out, *, uniform_term=True, keep_min=None):
         return softmax_grad_(x, labels, lse, entropy, coef, math, out, keep_min=keep_min)
