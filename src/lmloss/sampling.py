@@ -45,6 +45,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from lmloss._validate import INT64_MAX
 from lmloss.kernels import INVARIANT_BLOCK
 from lmloss.kernels.torch_ref import block_sums, one_thread
 from lmloss.vocab_parallel import (
@@ -157,7 +158,8 @@ def make_sampling(
     top_k, top_p, min_p, *, n_tokens: int, device: torch.device, log_kept_mass: bool = False
 ) -> Sampling | None:
     """Check the truncation arguments (errors name the argument); None when nothing truncates."""
-    top_k = _check_param("top_k", top_k, n_tokens, device, integer=True, low=1, high=math.inf)
+    # an int top_k travels in the agreement vector as int64 (a value >= the vocabulary keeps everything)
+    top_k = _check_param("top_k", top_k, n_tokens, device, integer=True, low=1, high=INT64_MAX)
     top_p = _check_param("top_p", top_p, n_tokens, device, integer=False, low=0.0, high=1.0, low_open=True)
     min_p = _check_param("min_p", min_p, n_tokens, device, integer=False, low=0.0, high=1.0)
     if not isinstance(log_kept_mass, bool):

@@ -370,6 +370,22 @@ DISAGREEMENTS = {
         lambda r: (_data(0, N, 16), dict(ignore_index=_per_rank(r, -100, 2**64))),
         ["TP rank 1", "ignore_index must fit in int64"],
     ),
+    # an int option past int64 (it travels in the int64 agreement vector): refused on that rank, before the gather
+    "top_k_past_int64_on_one_rank": (
+        ("token_logprobs", "linear_token_logprobs"),
+        lambda r: (_data(0, N, 16), dict(top_k=_per_rank(r, 3, 10**23))),
+        ["TP rank 1", "top_k must be in [1, 9223372036854775807]"],
+    ),
+    "chunk_size_past_int64_on_one_rank": (
+        LABELLED,
+        lambda r: (_data(0, N, 16), dict(chunk_size=_per_rank(r, 4, 2**63))),
+        ["TP rank 1", "chunk_size must fit in int64"],
+    ),
+    "vocab_size_past_int64_on_one_rank": (
+        ("token_logprobs",),
+        lambda r: (_data(0, N, 16), dict(vocab_size=_per_rank(r, 32, 10**23))),
+        ["TP rank 1", "vocab_size must fit in int64"],
+    ),
     "garbage_LMLOSS_CHUNK_BUDGET_MIB_on_one_rank": (
         FUSED,
         lambda r: (
