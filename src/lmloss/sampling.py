@@ -495,19 +495,29 @@ def crossing_bins(
     below it only). On flat rows (``2 * randn`` logits over 128256 columns, top_p = 0.9) the window holds
     600-1400 columns where the bound from the top alone held ~5000, more than the kernels' candidates take
     (`KERNEL_CANDIDATES_MAX`), so every such row was sorted. The bounds carry margins (the bins' edges
-    ``2**-16``, ``Z`` `CROSSING_MASS_MARGIN`); a crossing outside the window anyway is caught and sorted
-    (`_crossing_among`)."""
+    ``2**-16``: a column's float64 mass may lie a few fp32 ulps outside the bin its fp32 exp was counted in,
+    ``Z`` `CROSSING_MASS_MARGIN`); a crossing outside the window anyway is caught and sorted (`_crossing_among`).
+
+    A ``Z`` that the counts contradict beyond the margins (the two bounds cross: the lower one above the upper
+    one) is not used for the row: its window is the one of the counts' bounds alone (wider, and never inverted
+    or empty)."""
     c = counts.double()
     lo_mass, hi_mass = c * (low * (1 - 2.0**-16)), c * (high * (1 + 2.0**-16))
     below_max = lo_mass.new_zeros(c.shape)  # the mass strictly below each bin, at most and at least
     below_min = lo_mass.new_zeros(c.shape)
     below_max[:, 1:], below_min[:, 1:] = hi_mass.cumsum(1)[:, :-1], lo_mass.cumsum(1)[:, :-1]
     z = z_mass.double()[:, None]
-    at_or_above_min = torch.maximum(_suffix_sums(lo_mass), z * (1 - CROSSING_MASS_MARGIN) - below_max)
-    at_or_above_max = torch.minimum(_suffix_sums(hi_mass), z * (1 + CROSSING_MASS_MARGIN) - below_min)
-    # both bounds fall with the bin (differences of monotone sums): each comparison is a prefix of the bins
-    b_hi = ((at_or_above_max >= target[:, None]).sum(1) - 1).clamp(min=0)
-    b_lo = torch.minimum(((at_or_above_min >= target[:, None]).sum(1) - 1).clamp(min=0), b_hi)
+    from_top_min, from_top_max = _suffix_sums(lo_mass), _suffix_sums(hi_mass)
+    at_or_above_min = torch.maximum(from_top_min, z * (1 - CROSSING_MASS_MARGIN) - below_max)
+    at_or_above_max = torch.minimum(from_top_max, z * (1 + CROSSING_MASS_MARGIN) - below_min)
+
+    def last_reaching(bound):  # every bound falls with the bin (differences of monotone sums): a prefix
+        return ((bound >= target[:, None]).sum(1) - 1).clamp(min=0)
+
+    b_lo, b_hi = last_reaching(at_or_above_min), last_reaching(at_or_above_max)
+    crossed = b_lo > b_hi  # Z contradicts the counts: bound by the counts alone (b_lo <= b* <= b_hi again)
+    b_lo = torch.where(crossed, last_reaching(from_top_min), b_lo)
+    b_hi = torch.where(crossed, last_reaching(from_top_max), b_hi)
     count_from = torch.cat([_suffix_sums(counts), counts.new_zeros(counts.shape[0], 1)], 1)
     in_window = count_from.gather(1, b_lo[:, None])[:, 0] - count_from.gather(1, (b_hi + 1)[:, None])[:, 0]
     return b_lo, b_hi, in_window
