@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lmloss import _validate
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf
 
@@ -135,7 +136,8 @@ def patch(
             ``LMLOSS_CHUNK_BUDGET_MIB`` or the device's default).
 
     Raises:
-        TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer).
+        TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer); `invariant` or
+            `sampler_truncation` is not a bool, `chunk_size` not an int, "auto" or None.
         ValueError: the trainer is already patched; its model's head cannot be reproduced (see
             `lmloss.integrations.hf.head_transform`); ``args.cast_lm_head_to_fp32`` is set (the fused op
             computes in the head weight's dtype, so it would not be honoured).
@@ -145,13 +147,18 @@ def patch(
         raise TypeError(f"trainer: {type(trainer).__name__} has no {_METHOD} (expected a trl.GRPOTrainer)")
     if is_patched(trainer):
         raise ValueError("trainer: already patched by lmloss.integrations.trl")
+    # checked here, not at the first training step; a bool is asked for, not a truthy value ("false" is one)
+    _validate.check_chunk_size(chunk_size)
+    _validate.check_invariant(invariant)
+    if not isinstance(sampler_truncation, bool):
+        raise TypeError(f"sampler_truncation must be a bool, got {sampler_truncation!r}")
     if getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False):
         raise ValueError("trainer: args.cast_lm_head_to_fp32=True is not supported by the fused head")
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             hf.head_transform(trainer.accelerator.unwrap_model(model))
     check_memory_budget(memory_budget_mib)
-    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant), memory_budget_mib=memory_budget_mib)
+    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=invariant, memory_budget_mib=memory_budget_mib)
     if sampler_truncation:
         options.update(generation_truncation(trainer))
     setattr(trainer, _STATE_ATTR, {"original": original, "options": options})
