@@ -746,28 +746,24 @@ POSITIVE = {
 }
 
 
-def _positive(rank: int, group) -> dict:
-    out = {}
-    for i, (name, (split, kw)) in enumerate(POSITIVE.items()):
-        g = _global(100 + i, vocab_size=kw.get("vocab_size"))
-        s, e = _shard_span(rank, split)
-        kw = dict(kw, tp_group=group)
-        if split[0] != split[1]:
-            kw["vocab_start"] = s
-        # a chunk budget so small that each rank's own shard would give it another "auto" chunk (1 row
-        # for 20 columns, 2 for 12): the ranks must size it from a width they agree on
-        before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
-        os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(200 / 2**20)
-        try:
-            out[name, "fused"] = _fused_outputs(g, s, e, kw)
-        finally:
-            if before is None:
-                del os.environ["LMLOSS_CHUNK_BUDGET_MIB"]
-            else:
-                os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = before
-        out[name, "logits"] = _logits_outputs(g, s, e, kw)
-        out[name, "in_step"] = _in_step(rank, 1000 + i)
-    return out
+def _positive(rank: int, group, name: str) -> dict:
+    split, kw = POSITIVE[name]
+    g = _global(100 + list(POSITIVE).index(name), vocab_size=kw.get("vocab_size"))
+    s, e = _shard_span(rank, split)
+    kw = dict(kw, tp_group=group)
+    if split[0] != split[1]:
+        kw["vocab_start"] = s
+    # a chunk budget so small that each rank's own shard would give it another "auto" chunk (300 bytes: 1 row
+    # for 20 columns and 2 for 12 fused, 1 and 3 over logits): the ranks must size it from a width they agree on
+    before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
+    os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(300 / 2**20)
+    try:
+        return dict(fused=_fused_outputs(g, s, e, kw), logits=_logits_outputs(g, s, e, kw))
+    finally:
+        if before is None:
+            del os.environ["LMLOSS_CHUNK_BUDGET_MIB"]
+        else:
+            os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = before
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -911,11 +907,11 @@ def dp_batch() -> dict:
 #: Each case's collectives time out after this (a rank left waiting by a broken case gives up and the run goes
 #: on); the default group, which only separates the cases, waits longer.
 CASE_TIMEOUT = datetime.timedelta(seconds=10)
-SECTIONS = {"positive": lambda rank, group: _positive(rank, group), "checks_off": lambda rank, group: _checks_off(rank),
-            "cp": lambda rank, group: _policy_cp(rank, group)}  # fmt: skip
+SECTIONS = {"checks_off": lambda rank, group: _checks_off(rank), "cp": lambda rank, group: _policy_cp(rank, group)}
 CASES = (
     [("disagree", case, op) for case, (ops, _, _) in DISAGREEMENTS.items() for op in ops]
     + [("cp_errors", name) for name in CP_ERRORS]
+    + [("positive", name) for name in POSITIVE]
     + [("section", name) for name in SECTIONS]
 )
 
@@ -925,6 +921,8 @@ def _run_case(rank: int, group, key: tuple):
         return _disagreement(rank, group, *key[1:])
     if key[0] == "cp_errors":
         return _cp_error(rank, group, key[1])
+    if key[0] == "positive":
+        return _positive(rank, group, key[1])
     return SECTIONS[key[1]](rank, group)
 
 
@@ -942,7 +940,7 @@ def _cases_from(rank: int, world: int, keys: list, out_dir: str) -> None:
         in_step = False
         with contextlib.suppress(RuntimeError):  # a collective timed out: a rank was left behind
             in_step = _in_step(rank, i, group)
-        if key[0] != "section":
+        if key[0] != "section":  # a section checks its own steps
             result["in_step"] = in_step
         flags = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
         dist.all_gather(flags, torch.tensor([int(in_step)]))  # the default group: every rank lines up here
@@ -986,11 +984,12 @@ def _run_isolated(keys: list) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    """Per rank: ``"disagree"[case, op]``, ``"cp_errors"[name]`` and each of `SECTIONS`."""
+    """Per rank: ``"disagree"[case, op]``, ``"cp_errors"[name]``, ``"positive"[name]`` and each of `SECTIONS`."""
     flat = _run_isolated(list(CASES))
     return [
         {"disagree": {k[1:]: v for k, v in mine.items() if k[0] == "disagree"},
          "cp_errors": {k[1]: v for k, v in mine.items() if k[0] == "cp_errors"},
+         "positive": {k[1]: v for k, v in mine.items() if k[0] == "positive"},
          **{k[1]: v for k, v in mine.items() if k[0] == "section"}}
         for mine in flat
     ]  # fmt: skip
@@ -1057,9 +1056,9 @@ def test_tp2_shards_match_the_single_process_float64_result(ranks, name, path):
     g = _global(100 + list(POSITIVE).index(name), vocab_size=kw.get("vocab_size"))
     ref = _references(g, kw, fused=path == "fused")
     for rank in range(WORLD):
-        got = ranks[rank]["positive"][name, path]
+        got = ranks[rank]["positive"][name][path]
         s, e = _shard_span(rank, split)
-        assert ranks[rank]["positive"][name, "in_step"]
+        assert ranks[rank]["positive"][name]["in_step"]
         for key in ("ce", "logprobs", "entropy"):
             torch.testing.assert_close(got[key].double(), ref[key], **TOL, msg=f"rank {rank} {key}")
         if path == "fused":
