@@ -39,7 +39,7 @@ OPS = {
     ),
 }
 OPTIONS = {  # option -> the words its error must hold
-    "top_k": "top_k must be in [1, 9223372036854775807]",
+    "top_k": "top_k must be in [1, 2**63 - 1]",
     "chunk_size": "chunk_size must fit in int64",
     "vocab_size": "vocab_size must fit in int64",
     "vocab_start": "vocab_start must fit in int64",

@@ -126,6 +126,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
     """A number or an ``[N]``-shaped tensor (any shape with N elements, flattened) in range."""
     if value is None:
         return None
+    shown = "2**63 - 1" if high == INT64_MAX else high  # top_k's bound: an int64 in the agreement vector
     if isinstance(value, torch.Tensor):
         if integer and (value.is_floating_point() or value.dtype == torch.bool):
             raise TypeError(f"{name} must be an int or an integer tensor, got {value.dtype}")
@@ -142,7 +143,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
         bad = lo_bad | (flat > high) | (flat != flat)
         if n and bool(bad.any()):
             raise ValueError(
-                f"{name} values must be in {'(' if low_open else '['}{low}, {high}], found {flat[bad][0].item()}"
+                f"{name} values must be in {'(' if low_open else '['}{low}, {shown}], found {flat[bad][0].item()}"
             )
         return flat
     if integer and not _is_int(value):
@@ -150,7 +151,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
     if not integer and not _is_real(value):
         raise TypeError(f"{name} must be a float, a float tensor or None, got {value!r}")
     if (value <= low if low_open else value < low) or value > high or value != value:
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {shown}], got {value}")
     return value
 
 
