@@ -60,6 +60,37 @@ def test_a_patterned_change_that_a_linear_fingerprint_misses_moves_the_fingerpri
     assert tensor_fingerprint(changed) != tensor_fingerprint(t)
 
 
+def _wrap(v: int) -> int:
+    """`v` modulo 2**64 as a signed int64."""
+    v %= 1 << 64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def test_two_compensating_changes_that_collide_under_any_weighted_sum_move_the_fingerprint():
+    """Under a fingerprint that is a weighted sum of the elements' bits (whatever the weights: positions, or
+    pseudo-random ones), raising element i by 1 moves it by w_i, and lowering element j by w_i / w_j (mod 2**64,
+    w_j odd) moves it back: measured here from the fingerprint itself, the pair must still move it."""
+    base = torch.tensor([11, -3, 42, 7, 0, 99, -1000, 5], dtype=torch.int64)
+
+    def fp(t):
+        return int(tensor_fingerprint(t))
+
+    def raised(t, i, d):
+        t = t.clone()
+        t[i] = _wrap(int(t[i]) + d)
+        return t
+
+    weights = [_wrap(fp(raised(base, i, 1)) - fp(base)) for i in range(base.numel())]
+    i = 0
+    j = next(k for k in range(1, base.numel()) if weights[k] % 2)  # invertible modulo 2**64
+    d = _wrap(-weights[i] * pow(weights[j], -1, 1 << 64))
+    changed = raised(raised(base, i, 1), j, d)
+    assert not torch.equal(changed, base)
+    assert fp(changed) != fp(base)
+    # non-linear in each element: raising it by 2 is not twice raising it by 1 (mod 2**64)
+    assert all(_wrap(fp(raised(base, k, 2)) - fp(base)) != _wrap(2 * weights[k]) for k in range(base.numel()))
+
+
 def test_the_fingerprint_is_a_function_of_the_values_places_dtype_and_shape():
     t = torch.linspace(-1, 1, 12)
     assert tensor_fingerprint(t) == tensor_fingerprint(t.clone())

@@ -135,6 +135,22 @@ def test_patch_refuses_what_is_not_a_grpo_trainer():
         lmloss_trl.unpatch(object())
 
 
+def test_patch_checks_its_options_when_called_not_at_the_first_training_step():
+    """A truthy string once turned invariant on (``bool("false")``); a bad chunk_size surfaced in training."""
+    trainer = type("Trainer", (), {"_get_per_token_logps_and_entropies": lambda self: None})()
+    for kw, error, words in [
+        (dict(invariant="false"), TypeError, "invariant must be a bool"),
+        (dict(invariant=1), TypeError, "invariant must be a bool"),
+        (dict(sampler_truncation="yes"), TypeError, "sampler_truncation must be a bool"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be positive"),
+        (dict(chunk_size=2.5), TypeError, "chunk_size must be a positive int"),
+        (dict(chunk_size=10**23), ValueError, "chunk_size must fit in int64"),
+    ]:
+        with pytest.raises(error, match=words):
+            lmloss_trl.patch(trainer, **kw)
+        assert not lmloss_trl.is_patched(trainer)
+
+
 def test_sampler_truncation_scores_under_the_generations_top_k_top_p_and_invariant_reaches_the_head(tmp_path):
     # the reference: transformers' sampling warpers (what generate() samples from) on the model's logits / T
     model = tiny_llama()

@@ -309,6 +309,41 @@ def test_a_tokens_outputs_do_not_change_when_other_tokens_are_ignored():
     assert torch.equal(ent[~counting], torch.zeros_like(ent[~counting]))
 
 
+@pytest.mark.parametrize("kw", [{}, dict(top_p=0.8), dict(chunk_size=4)], ids=["plain", "top_p", "chunks"])
+def test_an_ignored_row_in_a_gap_too_short_to_skip_reports_zero_logprob_entropy_and_gradient(kw):
+    """Over logits the rows of a short gap are computed with their neighbours (a slice) and must be masked:
+    their log-prob, entropy and gradient rows are exactly 0; the counting rows are the plain softmax's."""
+    g = torch.Generator().manual_seed(7)
+    n, v = 24, 9
+    logits = (torch.randn(n, v, generator=g) * 2).requires_grad_()
+    labels = logits.detach().argmax(-1)  # the top token: inside any kept set
+    ignored = torch.zeros(n, dtype=torch.bool)
+    ignored[[2, 3, 9, 15, 16, 17]] = True  # gaps of 1 to 3 rows between counting runs: far below MIN_GAP
+    labels[ignored] = -100
+    assert _spans(RowSelection.of(~ignored, row_width=v).chunks(n, gather=False)) == [(0, n)]
+    lp, ent = lmloss.token_logprobs(logits, labels, return_entropy=True, **kw)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert torch.equal(lp[ignored], torch.zeros(6)) and torch.equal(ent[ignored], torch.zeros(6))
+    assert torch.equal(logits.grad[ignored], torch.zeros(6, v))
+    # the counting rows: plain PyTorch over the (truncated) distribution
+    x = logits.detach().double()[~ignored].requires_grad_()
+    if "top_p" in kw:  # the smallest set of top tokens whose mass reaches top_p
+        p_sorted, order = x.detach().softmax(-1).sort(-1, descending=True)
+        drop_sorted = p_sorted.cumsum(-1) - p_sorted >= kw["top_p"]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x_eff = x.masked_fill(drop, -math.inf)
+    else:
+        x_eff = x
+    ref_logp = x_eff.log_softmax(-1)
+    ref_lp = ref_logp.gather(1, labels[~ignored, None])[:, 0]
+    ref_ent = -(ref_logp.exp() * ref_logp.nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(lp[~ignored].double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[~ignored].double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    ((ref_lp * w_lp[~ignored].double()).sum() + (ref_ent * w_ent[~ignored].double()).sum()).backward()
+    torch.testing.assert_close(logits.grad[~ignored].double(), x.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 def test_invariant_bits_of_a_token_do_not_depend_on_which_others_are_ignored(fused):
     hidden, weight, labels = _fused_problem(seed=5, v=300)

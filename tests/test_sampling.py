@@ -415,3 +415,56 @@ def test_the_threshold_moved_onto_the_logits_keeps_exactly_the_set_found_on_the_
     assert torch.equal(x.to(compute) >= found[:, None], y >= keep[:, None])
     assert torch.equal(x.to(compute) >= scanned[:, None], y >= keep[:, None])
     assert not torch.equal(y >= keep[:, None], torch.ones_like(y, dtype=torch.bool))  # something is cut
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the top-p crossing's window (`sampling.crossing_bins`) where the columns' masses sit at their bins' edges
+
+
+def _crossing_and_window(bins, masses, z_given, target):
+    """The crossing bin of the float64 masses (the last bin whose mass at or above it reaches `target`) and
+    crossing_bins' window from the counts of `bins` and the kept mass `z_given`."""
+    ts = pytest.importorskip("lmloss.kernels.triton_sampling")
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    counts = torch.zeros(bins.shape[0], ts.NBINS, dtype=torch.int64).scatter_add_(1, bins, torch.ones_like(bins))
+    mass = torch.zeros(bins.shape[0], ts.NBINS, dtype=torch.float64).scatter_add_(1, bins, masses)
+    crossing = (mass.flip(1).cumsum(1).flip(1) >= target[:, None]).sum(1) - 1
+    b_lo, b_hi, in_window = sampling.crossing_bins(counts, z_given, target, low, high)
+    assert torch.equal(in_window, ((bins >= b_lo[:, None]) & (bins <= b_hi[:, None])).sum(1))
+    return crossing, b_lo, b_hi, mass
+
+
+@pytest.mark.parametrize("edge", ["high", "low"])
+def test_the_window_holds_a_crossing_whose_masses_lie_a_few_ulps_outside_the_bins_they_were_counted_in(edge):
+    """The kernels count a column in the bin of its fp32 exp; the crossing is found on float64 masses, a few
+    fp32 ulps away: a mass just above its bin's upper edge (or below its lower one) must still leave the
+    crossing inside the window (crossing_bins' 2**-16 margins on the edges)."""
+    ts = pytest.importorskip("lmloss.kernels.triton_sampling")
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    g = torch.Generator().manual_seed(21)
+    bins = torch.randint(1800, ts.NBINS - 1, (4, 400), generator=g)
+    ulps = 2.0**-23 * 4
+    masses = high[bins] * (1 + ulps) if edge == "high" else low[bins] * (1 - ulps)
+    total = torch.zeros(4, dtype=torch.float64).index_add_(0, torch.arange(4).repeat_interleave(400), masses.reshape(-1))
+    for b in range(1800, ts.NBINS - 1, 5):
+        # targets right at the mass at or above bin b, and just past the one above it (the crossing is b)
+        for target in (torch.where(bins >= b, masses, 0.0).sum(1), torch.where(bins > b, masses, 0.0).sum(1) * (1 + 2.0**-40)):
+            crossing, b_lo, b_hi, _ = _crossing_and_window(bins, masses, total, torch.minimum(target, total))
+            assert ((b_lo <= crossing) & (crossing <= b_hi)).all(), (b, crossing, b_lo, b_hi)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.9, 1.1, 4.0])
+def test_a_kept_mass_the_counts_contradict_gives_the_counts_window_never_an_inverted_one(factor):
+    """A kept mass Z off by far more than its margin (the bounds from Z cross: the lowest bin above the
+    highest): the window is the one the counts alone bound, which holds the crossing of the target asked;
+    never inverted, never empty. Off by less, Z narrows the window as usual."""
+    ts = pytest.importorskip("lmloss.kernels.triton_sampling")
+    low, high = ts.mass_bin_bounds(torch.device("cpu"))
+    g = torch.Generator().manual_seed(22)
+    bins = torch.randint(1700, ts.NBINS - 1, (6, 500), generator=g)
+    masses = low[bins] + (high[bins] - low[bins]) * torch.rand(6, 500, generator=g, dtype=torch.float64)
+    total = masses.sum(1)
+    for share in (0.05, 0.3, 0.7, 0.95):  # a target within the columns' mass (a crossing exists)
+        crossing, b_lo, b_hi, _ = _crossing_and_window(bins, masses, total * factor, share * total)
+        assert (b_lo <= b_hi).all()
+        assert ((b_lo <= crossing) & (crossing <= b_hi)).all(), (share, crossing, b_lo, b_hi)

@@ -18,6 +18,10 @@ from lmloss.agreement import tensor_fingerprint
 REDUCTIONS = ("mean", "sum", "none")
 #: 1 / temperature must stay far from fp32 overflow (scaled logits of 1e4 at T = 1e-6 are 1e10).
 MIN_TEMPERATURE = 1e-6
+#: The range of every integer option (top_k, chunk_size, vocab_size, vocab_start, ignore_index): each travels
+#: in the TP ranks' int64 agreement vector, and ids, counts and sizes are int64 in the tensors. A value past
+#: it (``top_k=10**23``) is refused here, naming the argument, rather than overflowing inside the op.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 #: Float dtypes as they travel in the TP ranks' agreement vector (fp32 on one rank and fp64 on another would
@@ -63,6 +67,12 @@ def check_labels(
     return labels if labels.dtype == torch.int64 else labels.long()
 
 
+def check_int64(name: str, value: int) -> None:
+    """An int option must lie in ``[INT64_MIN, INT64_MAX]`` (`INT64_MAX`: why)."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (at most 2**63 - 1 in magnitude), got {value}")
+
+
 def check_chunk_size(chunk_size: object) -> None:
     if chunk_size is None or chunk_size == "auto":
         return
@@ -70,6 +80,7 @@ def check_chunk_size(chunk_size: object) -> None:
         raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive (or None for unchunked), got {chunk_size}")
+    check_int64("chunk_size", chunk_size)  # any value >= the token count is one chunk
 
 
 def check_temperature(temperature: object) -> None:
@@ -91,7 +102,7 @@ def check_softcap(softcap: object, name: str = "softcap") -> None:
 def check_ignore_index(ignore_index: object) -> None:
     if not _is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not -(2**63) <= ignore_index < 2**63:
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64 (labels are int64), got {ignore_index}")
 
 
@@ -118,6 +129,7 @@ def check_vocab_size(vocab_size: object) -> None:
         raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    check_int64("vocab_size", vocab_size)
 
 
 def check_vocab_start(vocab_start: object) -> None:
@@ -125,6 +137,8 @@ def check_vocab_start(vocab_start: object) -> None:
         raise TypeError(f"vocab_start must be an int or None, got {vocab_start!r}")
     if vocab_start is not None and vocab_start < 0:
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if vocab_start is not None:
+        check_int64("vocab_start", vocab_start)
 
 
 def check_reduction(reduction: object) -> None:

@@ -302,6 +302,7 @@ def distillation_loss(
             agree["teacher_topk"] = topk[0].shape[1]
         if labels is not None:
             labels = _validate.check_labels(labels, leading, student_logits.device, against="student_logits")
+        _validate.check_ignore_index(ignore_index)  # compared with the int64 labels before the plan checks it
     agree["op"] = 2
     flat_labels = None if labels is None else labels.reshape(-1)
     n, v_local = math.prod(leading), student_logits.shape[-1]

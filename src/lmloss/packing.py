@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from lmloss import _validate
+
 __all__ = [
     "PackedBatch",
     "pack",
@@ -207,6 +209,7 @@ def shift_labels(
         int64, the shape of `input_ids`: ``labels[i] = input_ids[i + 1]`` when ``i + 1`` is in the same
         sequence (row), is a real token and is a target; ``ignore_index`` otherwise.
     """
+    _validate.check_ignore_index(ignore_index)
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -282,6 +285,11 @@ def pack(
         raise TypeError(f"pad_to_multiple_of must be an int, got {pad_to_multiple_of!r}")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    _validate.check_int64("pad_to_multiple_of", pad_to_multiple_of)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise TypeError(f"pad_id must be an int, got {pad_id!r}")
+    _validate.check_int64("pad_id", pad_id)  # written into the int64 input_ids
+    _validate.check_ignore_index(ignore_index)
     if isinstance(sequences, torch.Tensor) or not isinstance(sequences, Sequence):
         raise TypeError(
             f"sequences must be a list of 1-D token tensors or lists, got {type(sequences).__name__}"

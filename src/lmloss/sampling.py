@@ -45,6 +45,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from lmloss._validate import INT64_MAX
 from lmloss.kernels import INVARIANT_BLOCK
 from lmloss.kernels.torch_ref import block_sums, one_thread
 from lmloss.vocab_parallel import (
@@ -125,6 +126,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
     """A number or an ``[N]``-shaped tensor (any shape with N elements, flattened) in range."""
     if value is None:
         return None
+    shown = "2**63 - 1" if high == INT64_MAX else high  # top_k's bound: an int64 in the agreement vector
     if isinstance(value, torch.Tensor):
         if integer and (value.is_floating_point() or value.dtype == torch.bool):
             raise TypeError(f"{name} must be an int or an integer tensor, got {value.dtype}")
@@ -141,7 +143,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
         bad = lo_bad | (flat > high) | (flat != flat)
         if n and bool(bad.any()):
             raise ValueError(
-                f"{name} values must be in {'(' if low_open else '['}{low}, {high}], found {flat[bad][0].item()}"
+                f"{name} values must be in {'(' if low_open else '['}{low}, {shown}], found {flat[bad][0].item()}"
             )
         return flat
     if integer and not _is_int(value):
@@ -149,7 +151,7 @@ def _check_param(name, value, n, device, *, integer, low, high, low_open=False):
     if not integer and not _is_real(value):
         raise TypeError(f"{name} must be a float, a float tensor or None, got {value!r}")
     if (value <= low if low_open else value < low) or value > high or value != value:
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {shown}], got {value}")
     return value
 
 
@@ -157,7 +159,8 @@ def make_sampling(
     top_k, top_p, min_p, *, n_tokens: int, device: torch.device, log_kept_mass: bool = False
 ) -> Sampling | None:
     """Check the truncation arguments (errors name the argument); None when nothing truncates."""
-    top_k = _check_param("top_k", top_k, n_tokens, device, integer=True, low=1, high=math.inf)
+    # an int top_k travels in the agreement vector as int64 (a value >= the vocabulary keeps everything)
+    top_k = _check_param("top_k", top_k, n_tokens, device, integer=True, low=1, high=INT64_MAX)
     top_p = _check_param("top_p", top_p, n_tokens, device, integer=False, low=0.0, high=1.0, low_open=True)
     min_p = _check_param("min_p", min_p, n_tokens, device, integer=False, low=0.0, high=1.0)
     if not isinstance(log_kept_mass, bool):
@@ -509,19 +512,29 @@ def crossing_bins(
     below it only). On flat rows (``2 * randn`` logits over 128256 columns, top_p = 0.9) the window holds
     600-1400 columns where the bound from the top alone held ~5000, more than the kernels' candidates take
     (`KERNEL_CANDIDATES_MAX`), so every such row was sorted. The bounds carry margins (the bins' edges
-    ``2**-16``, ``Z`` `CROSSING_MASS_MARGIN`); a crossing outside the window anyway is caught and sorted
-    (`_crossing_among`)."""
+    ``2**-16``: a column's float64 mass may lie a few fp32 ulps outside the bin its fp32 exp was counted in,
+    ``Z`` `CROSSING_MASS_MARGIN`); a crossing outside the window anyway is caught and sorted (`_crossing_among`).
+
+    A ``Z`` that the counts contradict beyond the margins (the two bounds cross: the lower one above the upper
+    one) is not used for the row: its window is the one of the counts' bounds alone (wider, and never inverted
+    or empty)."""
     c = counts.double()
     lo_mass, hi_mass = c * (low * (1 - 2.0**-16)), c * (high * (1 + 2.0**-16))
     below_max = lo_mass.new_zeros(c.shape)  # the mass strictly below each bin, at most and at least
     below_min = lo_mass.new_zeros(c.shape)
     below_max[:, 1:], below_min[:, 1:] = hi_mass.cumsum(1)[:, :-1], lo_mass.cumsum(1)[:, :-1]
     z = z_mass.double()[:, None]
-    at_or_above_min = torch.maximum(_suffix_sums(lo_mass), z * (1 - CROSSING_MASS_MARGIN) - below_max)
-    at_or_above_max = torch.minimum(_suffix_sums(hi_mass), z * (1 + CROSSING_MASS_MARGIN) - below_min)
-    # both bounds fall with the bin (differences of monotone sums): each comparison is a prefix of the bins
-    b_hi = ((at_or_above_max >= target[:, None]).sum(1) - 1).clamp(min=0)
-    b_lo = torch.minimum(((at_or_above_min >= target[:, None]).sum(1) - 1).clamp(min=0), b_hi)
+    from_top_min, from_top_max = _suffix_sums(lo_mass), _suffix_sums(hi_mass)
+    at_or_above_min = torch.maximum(from_top_min, z * (1 - CROSSING_MASS_MARGIN) - below_max)
+    at_or_above_max = torch.minimum(from_top_max, z * (1 + CROSSING_MASS_MARGIN) - below_min)
+
+    def last_reaching(bound):  # every bound falls with the bin (differences of monotone sums): a prefix
+        return ((bound >= target[:, None]).sum(1) - 1).clamp(min=0)
+
+    b_lo, b_hi = last_reaching(at_or_above_min), last_reaching(at_or_above_max)
+    crossed = b_lo > b_hi  # Z contradicts the counts: bound by the counts alone (b_lo <= b* <= b_hi again)
+    b_lo = torch.where(crossed, last_reaching(from_top_min), b_lo)
+    b_hi = torch.where(crossed, last_reaching(from_top_max), b_hi)
     count_from = torch.cat([_suffix_sums(counts), counts.new_zeros(counts.shape[0], 1)], 1)
     in_window = count_from.gather(1, b_lo[:, None])[:, 0] - count_from.gather(1, (b_hi + 1)[:, None])[:, 0]
     return b_lo, b_hi, in_window

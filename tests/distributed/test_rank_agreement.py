@@ -1,8 +1,10 @@
 """TP ranks that disagree raise the same ValueError on every rank; uneven shards compute the right answer.
 
-ONE run of 2 gloo ranks hosts every case (`dist_utils.run_ranks`). The run has a deadline and the process
-group a short collective timeout, so a regression that makes the ranks hang fails this test within seconds
-instead of blocking for gloo's default 30 minutes.
+ONE run of 2 gloo ranks hosts every case (`dist_utils.run_ranks`), each case on a process group of its own
+with a short collective timeout, and its result saved as soon as it is known: a case that leaves a rank
+waiting times out and fails its own test; a case that kills a rank (gloo aborts a process whose collectives
+do not match in size) or hangs fails its own test, and a new run takes the cases after it (`_run_isolated`).
+So a broken argument fails the test named after it, never a shared set-up.
 
 disagree  - per op (token_logprobs, token_entropy, cross_entropy and the fused ops, as each case applies)
             and per case: the ranks call with different token counts, chunk sizes, uneven shards without
@@ -33,6 +35,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
 import datetime
+import tempfile
 
 import pytest
 import torch
@@ -43,7 +46,7 @@ from dist_utils import run_ranks
 import lmloss
 
 WORLD = 2
-RUN_DEADLINE_S = 120  # the whole run; it takes ~15 s when nothing hangs
+RUN_DEADLINE_S = 300  # a run; it takes ~15 s when nothing hangs, a case that leaves a rank waiting ~20 s more
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=20)
 N, H, V = 6, 8, 32  # tokens, hidden width, global vocabulary columns
 SPLIT = (20, 12)  # uneven shards: rank 0 holds columns [0, 20), rank 1 [20, 32)
@@ -52,11 +55,6 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(_all_cases, WORLD, deadline_s=RUN_DEADLINE_S, timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,6 +276,11 @@ DISAGREEMENTS = {
         lambda r: (_data(0, N, 16), dict(_op=_per_rank(r, "cross_entropy", "linear_cross_entropy"))),
         ["the op", "[0, 1]"],
     ),
+    "op_with_objective_options_on_one_rank": (  # one rank's options text is empty: both still show them
+        ("linear_policy_loss",),
+        lambda r: (_data(0, N, 16), dict(_op=_per_rank(r, "linear_policy_loss", "linear_token_logprobs"))),
+        ["objective's options", "rank 0: clip_cov_lb=1.0", "loss_mode='vanilla'", "rank 1: (none)"],
+    ),
     "reduction": (
         CE,
         lambda r: (_data(0, N, 16), dict(reduction=_per_rank(r, "sum", "mean"))),
@@ -355,6 +358,15 @@ DISAGREEMENTS = {
         lambda r: (_with(_data(0, N, 16), labels=lambda y, r=r: _per_rank(r, y.float(), y)), {}),
         ["TP rank 0 of 2", "labels must be an integer tensor"],
     ),
+    # a TypeError on one rank and a ValueError on the other: every rank raises one RankAgreementTypeError (a
+    # TypeError and a ValueError) with both messages (lmloss.agreement: a TypeError on any rank makes it one)
+    "type_error_on_one_rank_value_error_on_the_other": (
+        TENSOR_OPS,
+        lambda r: (_with(_data(0, N, 16), labels=lambda y, r=r: _per_rank(r, y.float(), y)),
+                   dict(temperature=_per_rank(r, 1.0, -1.0))),  # fmt: skip
+        ["TP ranks rejected their arguments", "rank 0: labels must be an integer tensor",
+         "rank 1: temperature must be finite"],  # fmt: skip
+    ),
     "reduction_typo_on_one_rank": (
         CE,
         lambda r: (_data(0, N, 16), dict(reduction=_per_rank(r, "mean", "meen"))),
@@ -369,6 +381,22 @@ DISAGREEMENTS = {
         TENSOR_OPS,
         lambda r: (_data(0, N, 16), dict(ignore_index=_per_rank(r, -100, 2**64))),
         ["TP rank 1", "ignore_index must fit in int64"],
+    ),
+    # an int option past int64 (it travels in the int64 agreement vector): refused on that rank, before the gather
+    "top_k_past_int64_on_one_rank": (
+        ("token_logprobs", "linear_token_logprobs"),
+        lambda r: (_data(0, N, 16), dict(top_k=_per_rank(r, 3, 10**23))),
+        ["TP rank 1", "top_k must be in [1, 2**63 - 1]"],
+    ),
+    "chunk_size_past_int64_on_one_rank": (
+        LABELLED,
+        lambda r: (_data(0, N, 16), dict(chunk_size=_per_rank(r, 4, 2**63))),
+        ["TP rank 1", "chunk_size must fit in int64"],
+    ),
+    "vocab_size_past_int64_on_one_rank": (
+        ("token_logprobs",),
+        lambda r: (_data(0, N, 16), dict(vocab_size=_per_rank(r, 32, 10**23))),
+        ["TP rank 1", "vocab_size must fit in int64"],
     ),
     "garbage_LMLOSS_CHUNK_BUDGET_MIB_on_one_rank": (
         FUSED,
@@ -620,40 +648,35 @@ DISAGREEMENTS.update({
 #: cases whose agreed error is also a TypeError (a rank's argument had the wrong type)
 TYPE_ERRORS = {
     "float_labels_on_one_rank",
+    "type_error_on_one_rank_value_error_on_the_other",
     "non_group_mean_group_on_one_rank",
     "not_a_tensor_on_one_rank",
     "vocab_start_not_an_int_on_one_rank",
 }
 
 
-def _in_step(rank: int, tag: int) -> bool:
+def _in_step(rank: int, tag: int, group=None) -> bool:
     """A plain collective after a case: the ranks must still pair up (nobody left inside the op)."""
     mine = torch.tensor([rank, tag], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(WORLD)]
-    dist.all_gather(everyone, mine)
+    dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone] == [[r, tag] for r in range(WORLD)]
 
 
-def _disagreements(rank: int, group) -> dict:
-    out = {}
-    tag = 0
-    for case, (ops, make, _) in DISAGREEMENTS.items():
-        for op in ops:
-            tag += 1
-            data, kw = make(rank)
-            kw = {k: group if isinstance(v, str) and v == "<group>" else v for k, v in kw.items()}
-            try:
-                _call(op, data, dict(kw, tp_group=group))
-                error = None
-            except Exception as e:  # noqa: BLE001 - every rank reports what it raised, whatever it is
-                error = dict(
-                    kind=type(e).__name__,
-                    message=str(e),
-                    value_error=isinstance(e, ValueError),
-                    type_error=isinstance(e, TypeError),
-                )
-            out[case, op] = dict(error=error, in_step=_in_step(rank, tag))
-    return out
+def _raised(fn) -> dict | None:
+    """What `fn` raised (every rank reports it, whatever it is), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts which
+        return dict(kind=type(e).__name__, message=str(e), value_error=isinstance(e, ValueError),
+                    type_error=isinstance(e, TypeError))  # fmt: skip
+    return None
+
+
+def _disagreement(rank: int, group, case: str, op: str) -> dict:
+    data, kw = DISAGREEMENTS[case][1](rank)
+    kw = {k: group if isinstance(v, str) and v == "<group>" else v for k, v in kw.items()}
+    return dict(error=_raised(lambda: _call(op, data, dict(kw, tp_group=group))))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -723,28 +746,24 @@ POSITIVE = {
 }
 
 
-def _positive(rank: int, group) -> dict:
-    out = {}
-    for i, (name, (split, kw)) in enumerate(POSITIVE.items()):
-        g = _global(100 + i, vocab_size=kw.get("vocab_size"))
-        s, e = _shard_span(rank, split)
-        kw = dict(kw, tp_group=group)
-        if split[0] != split[1]:
-            kw["vocab_start"] = s
-        # a chunk budget so small that each rank's own shard would give it another "auto" chunk (1 row
-        # for 20 columns, 2 for 12): the ranks must size it from a width they agree on
-        before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
-        os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(200 / 2**20)
-        try:
-            out[name, "fused"] = _fused_outputs(g, s, e, kw)
-        finally:
-            if before is None:
-                del os.environ["LMLOSS_CHUNK_BUDGET_MIB"]
-            else:
-                os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = before
-        out[name, "logits"] = _logits_outputs(g, s, e, kw)
-        out[name, "in_step"] = _in_step(rank, 1000 + i)
-    return out
+def _positive(rank: int, group, name: str) -> dict:
+    split, kw = POSITIVE[name]
+    g = _global(100 + list(POSITIVE).index(name), vocab_size=kw.get("vocab_size"))
+    s, e = _shard_span(rank, split)
+    kw = dict(kw, tp_group=group)
+    if split[0] != split[1]:
+        kw["vocab_start"] = s
+    # a chunk budget so small that each rank's own shard would give it another "auto" chunk (300 bytes: 1 row
+    # for 20 columns and 2 for 12 fused, 1 and 3 over logits): the ranks must size it from a width they agree on
+    before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
+    os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(300 / 2**20)
+    try:
+        return dict(fused=_fused_outputs(g, s, e, kw), logits=_logits_outputs(g, s, e, kw))
+    finally:
+        if before is None:
+            del os.environ["LMLOSS_CHUNK_BUDGET_MIB"]
+        else:
+            os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = before
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -801,6 +820,10 @@ CP_ERRORS = {  # name -> (rank 0's, rank 1's) policy_loss options, words every r
     "gspo_vs_geo_mean": ((dict(loss_mode="gspo"), dict(loss_mode="geo_mean")), ["policy_loss over cp_group", "geo_mean"]),
     "clip_ratio": ((dict(clip_ratio=0.2), dict(clip_ratio=0.02)), ["policy_loss over cp_group", "clip_ratio_low=0.02"]),
     "bad_clip_ratio_on_one_rank": ((dict(clip_ratio=0.2), dict(clip_ratio=-1.0)), ["rank 1 of 2 rejected", "clip_ratio"]),
+    "type_error_on_one_rank_value_error_on_the_other": (
+        (dict(rollout_is_weights="a list"), dict(clip_ratio=-1.0)),
+        ["policy_loss over cp_group: ranks rejected", "rank 0: rollout_is_weights must be a torch.Tensor",
+         "rank 1: clip_ratio"]),  # fmt: skip
     "is_weights_on_one_rank": ((dict(loss_mode="geo_mean", rollout_is_weights="ones"), dict(loss_mode="geo_mean")),
                                ["policy_loss over cp_group", "given"]),
 }  # fmt: skip
@@ -823,26 +846,24 @@ def cp_batch() -> dict:
     return d
 
 
-def _cp_errors(rank: int, group) -> dict:
+def _cp_error(rank: int, group, name: str) -> dict:
     d, pos = cp_batch(), CP_POSITIONS[rank]
-    out = {}
-    for tag, (name, (options, _)) in enumerate(CP_ERRORS.items()):
-        kw = dict(options[rank])
-        if kw.get("rollout_is_weights") == "ones":
-            kw["rollout_is_weights"] = torch.ones(len(pos), dtype=torch.float64)
-        out[name] = _error_of(lambda kw=kw: lmloss.rl.policy_loss(
-            d["lp"][pos], d["old"][pos], d["adv"][pos], d["mask"][pos], sequence_ids=d["seq"][pos], cp_group=group,
-            token_weights=d["weights"][pos], **kw,
-        ))  # fmt: skip
-        out[name, "in_step"] = _in_step(rank, 6000 + tag)
-    return out
+    kw = dict(CP_ERRORS[name][0][rank])
+    if kw.get("rollout_is_weights") == "ones":
+        kw["rollout_is_weights"] = torch.ones(len(pos), dtype=torch.float64)
+    if kw.get("rollout_is_weights") == "a list":
+        kw["rollout_is_weights"] = [1.0] * len(pos)
+    return dict(error=_error_of(lambda: lmloss.rl.policy_loss(
+        d["lp"][pos], d["old"][pos], d["adv"][pos], d["mask"][pos], sequence_ids=d["seq"][pos], cp_group=group,
+        token_weights=d["weights"][pos], **kw,
+    )))  # fmt: skip
 
 
 def _policy_cp(rank: int, group) -> dict:
     """gspo over a CP split in which rank 1 holds no token of the last sequence (sequence_ids only: each rank
     counts its own sequences); the rollout functions' agreement and reductions."""
     d, pos = cp_batch(), CP_POSITIONS[rank]
-    out = {"errors": _cp_errors(rank, group)}
+    out = {}
     lp = d["lp"][pos].clone().requires_grad_()
     loss, _ = lmloss.rl.policy_loss(lp, d["old"][pos], d["adv"][pos], d["mask"][pos], loss_mode="gspo",
                                     sequence_ids=d["seq"][pos], cp_group=group, token_weights=d["weights"][pos])  # fmt: skip
@@ -880,12 +901,98 @@ def dp_batch() -> dict:
     return dict(old=old, rollout=old + 0.3 * torch.randn(n, generator=g, dtype=torch.float64), mask=mask)
 
 
-def _all_cases(rank: int, world: int) -> dict:
-    group = dist.new_group(list(range(WORLD)))
-    return dict(
-        disagree=_disagreements(rank, group), positive=_positive(rank, group), checks_off=_checks_off(rank),
-        cp=_policy_cp(rank, group),
-    )
+# ----------------------------------------------------------------------------------------------------------
+# the run: every case isolated, so that a broken case fails its own test and no other
+
+#: Each case's collectives time out after this (a rank left waiting by a broken case gives up and the run goes
+#: on); the default group, which only separates the cases, waits longer.
+CASE_TIMEOUT = datetime.timedelta(seconds=10)
+SECTIONS = {"checks_off": lambda rank, group: _checks_off(rank), "cp": lambda rank, group: _policy_cp(rank, group)}
+CASES = (
+    [("disagree", case, op) for case, (ops, _, _) in DISAGREEMENTS.items() for op in ops]
+    + [("cp_errors", name) for name in CP_ERRORS]
+    + [("positive", name) for name in POSITIVE]
+    + [("section", name) for name in SECTIONS]
+)
+
+
+def _run_case(rank: int, group, key: tuple):
+    if key[0] == "disagree":
+        return _disagreement(rank, group, *key[1:])
+    if key[0] == "cp_errors":
+        return _cp_error(rank, group, key[1])
+    if key[0] == "positive":
+        return _positive(rank, group, key[1])
+    return SECTIONS[key[1]](rank, group)
+
+
+def _cases_from(rank: int, world: int, keys: list, out_dir: str) -> None:
+    """Run `keys` in order on a process group with a short timeout, each result saved as soon as it is known.
+    After a case, a tag on that group checks that no rank was left inside a collective (it times out if one
+    was), then the default group lines the ranks up; a group a case left behind is replaced by a fresh one. A case that
+    kills a rank (gloo aborts the process on collectives of different sizes) ends the run: `_run_isolated`
+    reports it against that case and starts a new run after it."""
+    group = None
+    for i, key in enumerate(keys):
+        if group is None:  # the first case, or the one after a case that left a rank behind: a fresh group
+            group = dist.new_group(list(range(WORLD)), timeout=CASE_TIMEOUT)
+        result = _run_case(rank, group, key)
+        in_step = False
+        with contextlib.suppress(RuntimeError):  # a collective timed out: a rank was left behind
+            in_step = _in_step(rank, i, group)
+        if key[0] != "section":  # a section checks its own steps
+            result["in_step"] = in_step
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
+        dist.all_gather(flags, torch.tensor([int(in_step)]))  # the default group: every rank lines up here
+        if not all(int(f) for f in flags):
+            group = None
+        torch.save(result, os.path.join(out_dir, f"rank{rank}_{i}.pt"))
+
+
+class _Broken:
+    """In place of a case's result on every rank when the case killed a rank or hung: using it fails the test."""
+
+    def __init__(self, key: tuple, why: str) -> None:
+        self.why = f"case {key} broke the ranks: {why}"
+
+    def __getitem__(self, item):
+        pytest.fail(self.why, pytrace=False)
+
+
+def _run_isolated(keys: list) -> list[dict]:
+    """Every rank's result of each case, ``out[rank][key]`` (`_Broken` for a case that killed a rank or hung)."""
+    out = [{} for _ in range(WORLD)]
+    while keys:
+        with tempfile.TemporaryDirectory() as out_dir:
+            why = "no rank finished it"
+            try:
+                run_ranks(_cases_from, WORLD, keys, out_dir, deadline_s=RUN_DEADLINE_S,
+                          timeout_s=3 * CASE_TIMEOUT.total_seconds())  # fmt: skip
+            except AssertionError as e:  # a rank died or the run hung: the cases after the last done are rerun
+                why = str(e)[-2000:]
+            done = 0
+            while done < len(keys) and all(os.path.exists(os.path.join(out_dir, f"rank{r}_{done}.pt")) for r in range(WORLD)):
+                for r in range(WORLD):
+                    out[r][keys[done]] = torch.load(os.path.join(out_dir, f"rank{r}_{done}.pt"), weights_only=False)
+                done += 1
+        if done < len(keys):
+            for r in range(WORLD):
+                out[r][keys[done]] = _Broken(keys[done], why)
+        keys = keys[done + 1 :]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """Per rank: ``"disagree"[case, op]``, ``"cp_errors"[name]``, ``"positive"[name]`` and each of `SECTIONS`."""
+    flat = _run_isolated(list(CASES))
+    return [
+        {"disagree": {k[1:]: v for k, v in mine.items() if k[0] == "disagree"},
+         "cp_errors": {k[1]: v for k, v in mine.items() if k[0] == "cp_errors"},
+         "positive": {k[1]: v for k, v in mine.items() if k[0] == "positive"},
+         **{k[1]: v for k, v in mine.items() if k[0] == "section"}}
+        for mine in flat
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -949,9 +1056,9 @@ def test_tp2_shards_match_the_single_process_float64_result(ranks, name, path):
     g = _global(100 + list(POSITIVE).index(name), vocab_size=kw.get("vocab_size"))
     ref = _references(g, kw, fused=path == "fused")
     for rank in range(WORLD):
-        got = ranks[rank]["positive"][name, path]
+        got = ranks[rank]["positive"][name][path]
         s, e = _shard_span(rank, split)
-        assert ranks[rank]["positive"][name, "in_step"]
+        assert ranks[rank]["positive"][name]["in_step"]
         for key in ("ce", "logprobs", "entropy"):
             torch.testing.assert_close(got[key].double(), ref[key], **TOL, msg=f"rank {rank} {key}")
         if path == "fused":
@@ -997,15 +1104,16 @@ def test_checks_off_uneven_shards_raise_where_the_width_cannot_cover_vocab_size_
 
 @pytest.mark.parametrize("name", list(CP_ERRORS))
 def test_policy_loss_ranks_of_a_cp_group_that_disagree_all_raise_the_same_error(ranks, name):
-    errors = [ranks[r]["cp"]["errors"][name] for r in range(WORLD)]
+    errors = [ranks[r]["cp_errors"][name]["error"] for r in range(WORLD)]
     for rank, error in enumerate(errors):
         assert error is not None, f"rank {rank} computed instead of raising"
         kind, message = error
-        assert kind in ("RankAgreementError", "RankAgreementTypeError"), (rank, kind, message)
+        # a TypeError on any rank makes the agreed error a RankAgreementTypeError (also a ValueError)
+        assert kind == ("RankAgreementTypeError" if "type_error" in name else "RankAgreementError"), (rank, kind, message)
         for word in CP_ERRORS[name][1]:
             assert word in message, f"rank {rank}: {word!r} not in {message!r}"
     assert errors[0] == errors[1]
-    assert all(ranks[r]["cp"]["errors"][name, "in_step"] for r in range(WORLD))
+    assert all(ranks[r]["cp_errors"][name]["in_step"] for r in range(WORLD))
 
 
 def test_gspo_over_a_cp_split_whose_ranks_hold_different_sequence_counts_is_the_one_process_loss(ranks):

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from lmloss import _validate
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf, trl_preference
 
@@ -210,12 +211,18 @@ def patch(
 
     Raises:
         TypeError: `trainer` has no ``_get_per_token_logps_and_entropies`` (not a GRPO trainer) and is not a
-            preference trainer (those: `lmloss.integrations.trl_preference.patch`).
+            preference trainer (those: `lmloss.integrations.trl_preference.patch`); `invariant` or
+            `sampler_truncation` is not a bool, `chunk_size` not an int, "auto" or None.
         ValueError: the trainer is already patched; ``sampler_truncation`` with a KL (``beta != 0``) but no
             separate ``ref_model`` (a PEFT policy); its model's head cannot be reproduced (see
             `lmloss.integrations.hf.head_transform`); ``args.cast_lm_head_to_fp32`` is set (the fused op
             computes in the head weight's dtype, so it would not be honoured).
     """
+    # checked here, not at the first training step; a bool is asked for, not a truthy value ("false" is one)
+    _validate.check_chunk_size(chunk_size)
+    _validate.check_invariant(invariant)
+    if not isinstance(sampler_truncation, bool):
+        raise TypeError(f"sampler_truncation must be a bool, got {sampler_truncation!r}")
     if trl_preference.is_preference_trainer(trainer):  # DPO / KTO / ORPO / CPO: their own module
         if sampler_truncation:
             raise ValueError("sampler_truncation is for GRPO's generations; preference trainers score without it")
@@ -242,7 +249,7 @@ def patch(
             "policy with its PEFT adapter disabled, whose calls cannot be told from the policy's, and the "
             "reference must be scored on its full distribution (a truncated reference gives -inf: a NaN KL)"
         )
-    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=bool(invariant), memory_budget_mib=memory_budget_mib)
+    options: dict[str, Any] = dict(chunk_size=chunk_size, invariant=invariant, memory_budget_mib=memory_budget_mib)
     if sampler_truncation:
         options.update(generation_truncation(trainer))
     setattr(trainer, _STATE_ATTR, {"original": original, "options": options})

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 import lmloss
+from lmloss import _validate
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf
 from lmloss.sampling import KeptSetWarning, report_dropped
@@ -164,6 +165,8 @@ class HeadOptions:
                 raise TypeError(f"top_k must be an int or None, got {self.top_k!r}")
             if self.top_k <= 0:
                 set_("top_k", None)
+            else:  # past int64 the op would refuse it mid-step: refuse it when the options are read
+                _validate.check_int64("top_k", self.top_k)
         for name in ("top_p", "min_p"):
             value = getattr(self, name)
             if value is None:
@@ -186,6 +189,7 @@ class HeadOptions:
             or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1)
         ):
             raise ValueError(f"chunk_size must be an int >= 1, 'auto' or None, got {chunk!r}")
+        _validate.check_chunk_size(chunk)
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         check_memory_budget(self.memory_budget_mib)

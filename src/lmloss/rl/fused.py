@@ -278,6 +278,7 @@ def linear_policy_loss(
         # the sequences, checked before the rank agreement (policy_loss would check them after the forward's
         # collectives): the boundaries and each token's sequence are agreed with the other per-token tensors
         ids, cu = check_sequences(expected, hidden.device, cu_seqlens, sequence_ids, loss_mode)
+        _validate.check_ignore_index(ignore_index)  # compared with the int64 labels before the plan checks it
         counting = labels.reshape(expected) != ignore_index
         if mask is not None:
             counting = counting & check_mask(mask, expected)
