@@ -95,11 +95,9 @@ def test_patched_preference_trainer_matches_trl(kind, options, tmp_path, monkeyp
     for got, want in zip(got_logs, want_logs):
         shared = (got.keys() & want.keys()) - {"epoch", "step", "grad_norm", "learning_rate"}
         assert {"loss", "rewards/chosen", "logps/rejected"} <= shared
-        if kind in ("dpo", "kto"):  # every metric TRL logs, the head's by-products included
-            assert {"logits/chosen", "logits/rejected"} <= shared and got.keys() == want.keys()
-            assert kind == "kto" or "mean_token_accuracy" in shared
-        else:  # what the patch does not log for ORPO / CPO: TRL's mean over every position's logits
-            assert want.keys() - got.keys() <= {"logits/chosen", "logits/rejected"}
+        # every metric TRL logs, the head's by-products included
+        assert {"logits/chosen", "logits/rejected"} <= shared and got.keys() == want.keys()
+        assert kind != "dpo" or "mean_token_accuracy" in shared
         for name in sorted(shared):
             assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
     for name, want in want_params.items():

@@ -234,14 +234,23 @@ def _paired_batch_loss_metrics(self, model, batch, train_eval="train"):
     cat = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=padding, device=self.accelerator.device)
     ids, attn, labels = cat["concatenated_input_ids"], cat["concatenated_attention_mask"], cat["concatenated_labels"]
     completion = labels[:, 1:] != -100
-    sft_mask = None
-    if spec.family == "orpo":  # ORPO's NLL reads the whole attended chosen sequence, prompt included
-        labels = ids.masked_fill(attn == 0, -100)
-        sft_mask = labels[:, 1:] != -100
-    logps, _ = _score(self, model, ids, labels, attn)
+    # ORPO's NLL reads the whole attended chosen sequence, prompt included
+    sft_mask = attn[:, 1:].bool() if spec.family == "orpo" else None
+    # TRL's logits/chosen, logits/rejected here: the mean logit over every position of the padded batch, prompt
+    # and padding included (ORPO's every position but the last, CPO's every one). So every position is scored
+    # (the loss reads only its tokens: the others get no gradient), CPO's last through one appended padding
+    # token, which the causal body does not let change the positions before it.
+    n = ids.size(1)
+    if spec.family == "cpo":
+        ids, attn = torch.nn.functional.pad(ids, (0, 1), value=padding), torch.nn.functional.pad(attn, (0, 1))
+    logps, by_products = _score(self, model, ids, ids, attn, outputs=("mean_logits",))
+    logps, mean_logits, b = logps[:, : n - 1], by_products["mean_logits"], batch["chosen_labels"].size(0)
     out = preference_loss(sequence_stats(logps, completion, spec, sft_mask=sft_mask), spec, group=_metrics_group())
     prefix = "eval_" if train_eval == "eval" else ""
     metrics = {f"{prefix}{k}": out.metrics[k].item() for k in _PAIRED_LOGGED[spec.family] if k in out.metrics}
+    for name, rows in (("logits/chosen", mean_logits[:b]), ("logits/rejected", mean_logits[b:])):
+        # TRL's: each process's mean, averaged over the processes
+        metrics[f"{prefix}{name}"] = self.accelerator.gather_for_metrics(rows.mean()).mean().item()
     return out.loss, metrics
 
 
