@@ -5,24 +5,25 @@
 instance, the one method that computes the loss and its logged metrics (``_compute_loss`` for DPO / KTO,
 ``get_batch_loss_metrics`` for ORPO / CPO). The replacement:
 
-* scores the policy's per-token log-probs (and entropy, which TRL logs) with lmloss's fused head
-  (`lmloss.integrations.hf.token_logprobs` -> `lmloss.linear_token_logprobs` on the model's last hidden
-  states and head weight: no ``[2B, T, V]`` logits), only at the tokens the loss reads; the reference
-  model's alike, without gradient (or TRL's precomputed ``ref_*_logps`` columns);
+* scores the policy's per-token log-probs with lmloss's fused head (`lmloss.integrations.hf.token_logprobs`
+  -> `lmloss.linear_token_logprobs` on the model's last hidden states and head weight: no ``[2B, T, V]``
+  logits), with the by-products TRL logs or weights with from the same pass: the entropy, the mean logit
+  (``logits/chosen`` / ``logits/rejected``), the argmax (DPO's ``mean_token_accuracy``) and WPO's
+  ``log Σ p²`` (``use_weighting=True``); DPO / KTO at the completion tokens only, ORPO / CPO at every position
+  (their ``logits/*`` are TRL's mean over every position of the padded batch, CPO's last one included: it is
+  scored through one appended padding token); the reference model's log-probs alike, without gradient (or
+  TRL's precomputed ``ref_*_logps`` columns);
+* runs that head as the model's forward where a ``DistributedDataParallel`` wraps the model
+  (`lmloss.integrations.trl.run_as_forward`): DDP's forward arms the backward's gradient all-reduce, which a
+  head calling the inner model directly skips (Liger's fused DPO / KTO path, TRL #7245);
 * translates the trainer's options into a `lmloss.preference.PreferenceSpec` (`preference_spec`), forms the
   per-sequence sums (`lmloss.preference.sequence_stats`) and computes the loss and the metrics with
-  `lmloss.preference.preference_loss`;
+  `lmloss.preference.preference_loss` (metrics summed over every process, as TRL's ``gather_for_metrics``);
 * logs under TRL's names, in TRL's places (``self._metrics`` for DPO / KTO, the returned dict for ORPO /
-  CPO), plus TRL's ``num_tokens`` bookkeeping.
+  CPO), plus TRL's ``num_tokens`` bookkeeping: the same names TRL logs.
 
-What it does not reproduce (refused at `patch` time with a ValueError, or left out and listed here):
-
-* metrics left out: ``logits/chosen`` / ``logits/rejected`` (the mean logit over the vocabulary) and DPO's
-  ``mean_token_accuracy`` (argmax): lmloss's per-token ops do not return those by-products yet;
-* refused: ``use_weighting=True`` (WPO needs each token's ``log Σ p²``, a by-product not available yet),
-  PEFT models without a reference model (TRL disables the adapter for the reference), MoE auxiliary losses,
-  encoder-decoder models (ORPO / CPO), ``cast_lm_head_to_fp32``, models wrapped by DDP at call time (as the
-  GRPO patch: one process or FSDP2).
+Refused at `patch` time with a ValueError: PEFT models without a reference model (TRL disables the adapter for
+the reference), MoE auxiliary losses, encoder-decoder models (ORPO / CPO), ``cast_lm_head_to_fp32``.
 
 ``trl`` is not imported; the trainer is recognised by its class names (tested with ``trl==1.16.0``).
 """
