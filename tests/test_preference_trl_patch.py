@@ -79,7 +79,7 @@ CASES = [
     ("dpo", dict(loss_type=list(ALL_DPO), loss_weights=[0.05 * (i + 1) for i in range(len(ALL_DPO))],
                  label_smoothing=0.1, beta=0.5)),
     ("dpo", dict(loss_type=["sigmoid", "ipo"], f_divergence_type="js_divergence", ld_alpha=0.5,
-                 precompute_ref_log_probs=True)),
+                 precompute_ref_log_probs=True, use_weighting=True)),
     ("kto", dict(loss_type="kto", beta=0.5, desirable_weight=1.3, precompute_ref_log_probs=True)),
     ("kto", dict(loss_type="apo_zero_unpaired")),
     ("orpo", dict(beta=0.5)),
@@ -95,8 +95,9 @@ def test_patched_preference_trainer_matches_trl(kind, options, tmp_path, monkeyp
     for got, want in zip(got_logs, want_logs):
         shared = (got.keys() & want.keys()) - {"epoch", "step", "grad_norm", "learning_rate"}
         assert {"loss", "rewards/chosen", "logps/rejected"} <= shared
-        # what the patch does not log: the by-products lmloss's head does not return yet (module docstring)
-        assert want.keys() - got.keys() <= {"logits/chosen", "logits/rejected", "mean_token_accuracy"}
+        # every metric TRL logs, the head's by-products included
+        assert {"logits/chosen", "logits/rejected"} <= shared and got.keys() == want.keys()
+        assert kind != "dpo" or "mean_token_accuracy" in shared
         for name in sorted(shared):
             assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
     for name, want in want_params.items():
@@ -106,11 +107,12 @@ def test_patched_preference_trainer_matches_trl(kind, options, tmp_path, monkeyp
 
 
 def test_patch_refuses_what_it_does_not_reproduce(tmp_path):
-    trainer = build("dpo", tmp_path, dict(use_weighting=True))
-    with pytest.raises(ValueError, match="use_weighting"):
+    trainer = build("dpo", tmp_path, {})
+    trainer.aux_loss_enabled = True  # a MoE model's router loss
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
         lmloss_trl.patch(trainer)
     assert not lmloss_trl.is_patched(trainer)
-    trainer.use_weighting = False
+    trainer.aux_loss_enabled = False
     with pytest.raises(ValueError, match="sampler_truncation"):
         lmloss_trl.patch(trainer, sampler_truncation=True)
     lmloss_trl.patch(trainer)

@@ -24,7 +24,7 @@ Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise
 ``prepare_for_backward``) and broadcasts its buffers; a computation that calls the inner model's modules
 directly, as Liger's fused DPO / KTO path did (TRL #7245), gets no gradient all-reduce, and every rank's
 parameters drift apart from the first step. FSDP2 does not wrap (it shards the modules in place): there the
-model is called as it is.
+model is called as it is. The preference trainers' patch runs its fused head the same way.
 
 ``patch(trainer, sampler_truncation=True)`` scores the policy's log-probs and entropies (the old policy's
 too) under the distribution the generation sampled from, and the reference's on its full distribution (see

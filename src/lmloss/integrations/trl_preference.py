@@ -5,24 +5,25 @@
 instance, the one method that computes the loss and its logged metrics (``_compute_loss`` for DPO / KTO,
 ``get_batch_loss_metrics`` for ORPO / CPO). The replacement:
 
-* scores the policy's per-token log-probs (and entropy, which TRL logs) with lmloss's fused head
-  (`lmloss.integrations.hf.token_logprobs` -> `lmloss.linear_token_logprobs` on the model's last hidden
-  states and head weight: no ``[2B, T, V]`` logits), only at the tokens the loss reads; the reference
-  model's alike, without gradient (or TRL's precomputed ``ref_*_logps`` columns);
+* scores the policy's per-token log-probs with lmloss's fused head (`lmloss.integrations.hf.token_logprobs`
+  -> `lmloss.linear_token_logprobs` on the model's last hidden states and head weight: no ``[2B, T, V]``
+  logits), with the by-products TRL logs or weights with from the same pass: the entropy, the mean logit
+  (``logits/chosen`` / ``logits/rejected``), the argmax (DPO's ``mean_token_accuracy``) and WPO's
+  ``log Σ p²`` (``use_weighting=True``); DPO / KTO at the completion tokens only, ORPO / CPO at every position
+  (their ``logits/*`` are TRL's mean over every position of the padded batch, CPO's last one included: it is
+  scored through one appended padding token); the reference model's log-probs alike, without gradient (or
+  TRL's precomputed ``ref_*_logps`` columns);
+* runs that head as the model's forward where a ``DistributedDataParallel`` wraps the model
+  (`lmloss.integrations.trl.run_as_forward`): DDP's forward arms the backward's gradient all-reduce, which a
+  head calling the inner model directly skips (Liger's fused DPO / KTO path, TRL #7245);
 * translates the trainer's options into a `lmloss.preference.PreferenceSpec` (`preference_spec`), forms the
   per-sequence sums (`lmloss.preference.sequence_stats`) and computes the loss and the metrics with
-  `lmloss.preference.preference_loss`;
+  `lmloss.preference.preference_loss` (metrics summed over every process, as TRL's ``gather_for_metrics``);
 * logs under TRL's names, in TRL's places (``self._metrics`` for DPO / KTO, the returned dict for ORPO /
-  CPO), plus TRL's ``num_tokens`` bookkeeping.
+  CPO), plus TRL's ``num_tokens`` bookkeeping: the same names TRL logs.
 
-What it does not reproduce (refused at `patch` time with a ValueError, or left out and listed here):
-
-* metrics left out: ``logits/chosen`` / ``logits/rejected`` (the mean logit over the vocabulary) and DPO's
-  ``mean_token_accuracy`` (argmax): lmloss's per-token ops do not return those by-products yet;
-* refused: ``use_weighting=True`` (WPO needs each token's ``log Σ p²``, a by-product not available yet),
-  PEFT models without a reference model (TRL disables the adapter for the reference), MoE auxiliary losses,
-  encoder-decoder models (ORPO / CPO), ``cast_lm_head_to_fp32``, models wrapped by DDP at call time (as the
-  GRPO patch: one process or FSDP2).
+Refused at `patch` time with a ValueError: PEFT models without a reference model (TRL disables the adapter for
+the reference), MoE auxiliary losses, encoder-decoder models (ORPO / CPO), ``cast_lm_head_to_fp32``.
 
 ``trl`` is not imported; the trainer is recognised by its class names (tested with ``trl==1.16.0``).
 """
@@ -92,27 +93,44 @@ def _metrics_group() -> Any:
     return None
 
 
-def _score(self, model, input_ids, labels, attention_mask, *, entropy: bool, **model_kwargs):
-    """``[B, T - 1]`` fp32 log-probs of ``labels[:, 1:]`` (0 where -100; TRL's shifted layout) from lmloss's
-    fused head, and the entropies if asked."""
+#: the per-token by-products `_score` can return, in `hf.token_logprobs`' order (its ``return_*`` flags)
+_BY_PRODUCTS = {"entropy": "return_entropy", "mean_logits": "return_logit_sum", "is_top1": "return_argmax",
+                "log_sum_sq_probs": "return_log_sum_sq_probs"}  # fmt: skip
+
+
+def _score(self, model, input_ids, labels, attention_mask, *, outputs=(), **model_kwargs):
+    """``([B, T - 1] fp32 log-probs of labels[:, 1:], {name: [B, T - 1]})`` from lmloss's fused head, in TRL's
+    shifted layout (0 where the label is -100); the by-products named in `outputs` (`_BY_PRODUCTS`), as TRL's
+    fused head returns them: ``entropy``, ``mean_logits`` (the logits' sum over the head's vocabulary divided by
+    its size, ``weight.shape[0]`` as TRL's kernel divides), ``is_top1`` (bool: the label is the argmax, the
+    first maximum as ``torch.argmax``), ``log_sum_sq_probs`` (WPO's ``log Σ p²``).
+
+    Runs as `model`'s forward where `model` wraps (DDP: `lmloss.integrations.trl.run_as_forward`), so that the
+    backward's gradient all-reduce is armed; `model` itself otherwise."""
+    from lmloss.integrations import trl as trl_integration  # here: that module imports this one
+
     inner = self.accelerator.unwrap_model(model)
-    if inner is not model:
-        raise ValueError(
-            f"lmloss.integrations.trl: the model is wrapped by {type(model).__name__} (multi-process DDP?); "
-            "only unwrapped models (one process, FSDP2) are supported"
-        )
     options = getattr(self, _STATE_ATTR)["options"]
-    with self.accelerator.autocast():
-        out = hf.token_logprobs(model, input_ids, labels, attention_mask=attention_mask, return_entropy=entropy,
-                                **options, **model_kwargs)  # fmt: skip
-    if entropy:
-        return out[0][:, 1:], out[1][:, 1:]
-    return out[:, 1:], None
+    flags = {flag: name in outputs for name, flag in _BY_PRODUCTS.items()}
+
+    def compute(body, ids, scored, mask, **kwargs):
+        with self.accelerator.autocast():
+            return hf.token_logprobs(body, ids, scored, attention_mask=mask, **flags, **options, **kwargs)
+
+    out = trl_integration.run_as_forward(model, inner, compute, input_ids, labels, attention_mask, **model_kwargs)
+    out = out if isinstance(out, tuple) else (out,)
+    rest = iter(o[:, 1:] for o in out[1:])
+    extra = {name: next(rest) for name in _BY_PRODUCTS if name in outputs}
+    if "mean_logits" in extra:
+        extra["mean_logits"] = extra["mean_logits"] / inner.get_output_embeddings().weight.shape[0]
+    if "is_top1" in extra:
+        extra["is_top1"] = extra["is_top1"] == labels[:, 1:]
+    return out[0][:, 1:], extra
 
 
 def _reference(self, input_ids, labels, attention_mask, **model_kwargs) -> torch.Tensor:
     with torch.no_grad():
-        return _score(self, self.ref_model, input_ids, labels, attention_mask, entropy=False, **model_kwargs)[0]
+        return _score(self, self.ref_model, input_ids, labels, attention_mask, **model_kwargs)[0]
 
 
 def _log(self, mode: str, metrics: dict[str, torch.Tensor], names) -> None:
@@ -139,8 +157,8 @@ def _count_tokens(self, mode: str, attention_mask: torch.Tensor) -> None:
 
 
 _DPO_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
-_DPO_LOGGED = ("entropy", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected")  # fmt: skip
+_DPO_LOGGED = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "rewards/chosen",
+               "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")  # fmt: skip
 
 
 def _dpo_compute_loss(self, model, inputs, return_outputs=False):
@@ -150,12 +168,13 @@ def _dpo_compute_loss(self, model, inputs, return_outputs=False):
     ids, attn, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
     labels = ids.masked_fill(completion == 0, -100)
     mask = completion[:, 1:].bool()
-    logps, entropy = _score(self, model, ids, labels, attn, entropy=True, **extra)
+    wanted = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if spec.use_weighting else ())
+    logps, by_products = _score(self, model, ids, labels, attn, outputs=wanted, **extra)
     if self.precompute_ref_logps:
         ref = dict(ref_logps=torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(logps.dtype))
     else:
         ref = dict(ref_token_logps=_reference(self, ids, labels, attn, **extra))
-    stats = sequence_stats(logps, mask, spec, entropy=entropy, **ref)
+    stats = sequence_stats(logps, mask, spec, **by_products, **ref)
     out = preference_loss(stats, spec, group=_metrics_group())
     _log(self, mode, out.metrics, ("entropy",))
     _count_tokens(self, mode, attn)
@@ -175,17 +194,17 @@ def _kto_compute_loss(self, model, inputs, return_outputs=False):
     ids, attn, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     labels = ids.masked_fill(completion == 0, -100)
     desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=ids.device)
-    logps, entropy = _score(self, model, ids, labels, attn, entropy=True, **extra)
+    logps, by_products = _score(self, model, ids, labels, attn, outputs=("entropy", "mean_logits"), **extra)
     if self.precompute_ref_logps:
         ref = dict(ref_logps=batch["ref_logps"].to(logps.dtype))
     else:
         ref = dict(ref_token_logps=_reference(self, ids, labels, attn, **extra))
-    stats = sequence_stats(logps, completion[:, 1:].bool(), spec, entropy=entropy, desirable=desirable, **ref)
+    stats = sequence_stats(logps, completion[:, 1:].bool(), spec, desirable=desirable, **by_products, **ref)
     if self.calculate_KL:  # the mismatched pairs' sums, without gradient (TRL's KL estimate)
         kl_ids, kl_attn, kl_completion = batch["KL_input_ids"], batch["KL_attention_mask"], batch["KL_completion_mask"]
         kl_labels = kl_ids.masked_fill(kl_completion == 0, -100)
         with torch.no_grad():
-            kl_logps = _score(self, model, kl_ids, kl_labels, kl_attn, entropy=False)[0]
+            kl_logps = _score(self, model, kl_ids, kl_labels, kl_attn)[0]
         kl_ref = (
             dict(ref_logps=batch["ref_KL_logps"].to(logps.dtype)) if self.precompute_ref_logps
             else dict(ref_token_logps=_reference(self, kl_ids, kl_labels, kl_attn))
@@ -196,8 +215,8 @@ def _kto_compute_loss(self, model, inputs, return_outputs=False):
     self._metrics[mode]["kl"].append(out.metrics["kl"].item() if "kl" in out.metrics else 0.0)
     _log(self, mode, out.metrics, ("entropy",))
     _count_tokens(self, mode, attn)
-    _log(self, mode, out.metrics, ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected",
-                                   "rewards/margins"))  # fmt: skip
+    _log(self, mode, out.metrics, ("logits/chosen", "logits/rejected", "rewards/chosen", "logps/chosen",
+                                   "rewards/rejected", "logps/rejected", "rewards/margins"))  # fmt: skip
     return _with_outputs(model, {k: v for k, v in batch.items() if k not in _KTO_KEYS}, out.loss, return_outputs)
 
 
@@ -216,14 +235,23 @@ def _paired_batch_loss_metrics(self, model, batch, train_eval="train"):
     cat = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=padding, device=self.accelerator.device)
     ids, attn, labels = cat["concatenated_input_ids"], cat["concatenated_attention_mask"], cat["concatenated_labels"]
     completion = labels[:, 1:] != -100
-    sft_mask = None
-    if spec.family == "orpo":  # ORPO's NLL reads the whole attended chosen sequence, prompt included
-        labels = ids.masked_fill(attn == 0, -100)
-        sft_mask = labels[:, 1:] != -100
-    logps, _ = _score(self, model, ids, labels, attn, entropy=False)
+    # ORPO's NLL reads the whole attended chosen sequence, prompt included
+    sft_mask = attn[:, 1:].bool() if spec.family == "orpo" else None
+    # TRL's logits/chosen, logits/rejected here: the mean logit over every position of the padded batch, prompt
+    # and padding included (ORPO's every position but the last, CPO's every one). So every position is scored
+    # (the loss reads only its tokens: the others get no gradient), CPO's last through one appended padding
+    # token, which the causal body does not let change the positions before it.
+    n = ids.size(1)
+    if spec.family == "cpo":
+        ids, attn = torch.nn.functional.pad(ids, (0, 1), value=padding), torch.nn.functional.pad(attn, (0, 1))
+    logps, by_products = _score(self, model, ids, ids, attn, outputs=("mean_logits",))
+    logps, mean_logits, b = logps[:, : n - 1], by_products["mean_logits"], batch["chosen_labels"].size(0)
     out = preference_loss(sequence_stats(logps, completion, spec, sft_mask=sft_mask), spec, group=_metrics_group())
     prefix = "eval_" if train_eval == "eval" else ""
     metrics = {f"{prefix}{k}": out.metrics[k].item() for k in _PAIRED_LOGGED[spec.family] if k in out.metrics}
+    for name, rows in (("logits/chosen", mean_logits[:b]), ("logits/rejected", mean_logits[b:])):
+        # TRL's: each process's mean, averaged over the processes
+        metrics[f"{prefix}{name}"] = self.accelerator.gather_for_metrics(rows.mean()).mean().item()
     return out.loss, metrics
 
 
@@ -237,11 +265,6 @@ def _refuse(trainer: Any, family: str) -> None:
         raise ValueError("trainer: args.cast_lm_head_to_fp32=True is not supported by the fused head")
     if getattr(trainer, "aux_loss_enabled", False):
         raise ValueError("trainer: MoE auxiliary losses (router_aux_loss_coef) are not supported by the lmloss patch")
-    if family == "dpo" and trainer.use_weighting:
-        raise ValueError(
-            "trainer: use_weighting=True (WPO) needs each token's log Σ p², which lmloss's fused head does not "
-            "return yet"
-        )
     if family in ("dpo", "kto") and trainer.ref_model is None and not trainer.precompute_ref_logps:
         raise ValueError(
             "trainer: no ref_model (a PEFT adapter disabled for the reference) is not supported by the lmloss "
