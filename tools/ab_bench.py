@@ -173,6 +173,19 @@ CASES = {
                             "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', half ignored"),
     "narrow_none_ignored": (_logits_ignored(16384, 256, half=False),
                             "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', none ignored"),
+    # an engine scoring one token at a time (docs/invariant.md, "Small batches"): 200 single-row calls per step
+    "single_row_logits": ("""
+        x = torch.randn(200, 1, 32000) * 2; y = torch.randint(0, 32000, (200, 1))
+        def step():
+            with torch.no_grad():
+                for i in range(200): lmloss.token_logprobs(x[i], y[i], **INV)
+    """, "200 single-row token_logprobs [1, 32000] fp32, no grad"),
+    "single_row_fused": ("""
+        h = torch.randn(200, 1, 256); w = torch.randn(32000, 256) / 16; y = torch.randint(0, 32000, (200, 1))
+        def step():
+            with torch.no_grad():
+                for i in range(200): lmloss.linear_token_logprobs(h[i], w, y[i], **INV)
+    """, "200 single-row linear_token_logprobs [1, 256] x [32000, 256] fp32, no grad"),
 }
 
 #: The cases whose op takes ``invariant=`` (their code passes ``**INV``).

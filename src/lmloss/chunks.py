@@ -327,6 +327,8 @@ def probe_invariant_gemm(
         w_other = w if copy_weight else _at_offset(w, 1)
         for form in forms:
             s = form[1]
+            if s >= rows:  # no smaller than the tile
+                continue
             holds = True
             for start, count, w_ in ((0, s, w), (s, max(s - 1, 1), w_other)):  # a full group, one a row short
                 if start + count > rows:
