@@ -270,19 +270,22 @@ def test_tiled_linear_gives_a_row_alone_or_in_a_few_the_bits_of_a_whole_tile(dty
     from lmloss.chunks import tiled_linear
 
     g = torch.Generator().manual_seed(21)
-    rows, cols = 16, 384
+    rows = 16
     hidden = _at_odd_offset(torch.randn(rows, 600, generator=g).to(dtype))  # fp32: three hidden parts (256, 256, 88)
-    weight = (torch.randn(1000, 600, generator=g) / 8).to(dtype)  # tiles at 0, 384 and 616 (overlapping)
-    bias = (torch.randn(1000, generator=g) * 0.1).to(dtype)
-    tile = tiled_linear(hidden.clone(), weight, bias, hidden.new_empty((rows, 1000)), (rows, cols))
-    for idx in ([3], [0, 7], list(range(5, 16)), list(range(16)) + [2, 9]):  # alone, a few, a tile and 2 after it
-        got = tiled_linear(hidden[idx], weight, bias, hidden.new_empty((len(idx), 1000)), (rows, cols))
-        assert torch.equal(got, tile[idx]), idx
-    for i in (3, 8):  # a view of one row at an odd offset, and 8 rows after it
-        got = tiled_linear(hidden[i : i + 1], weight, bias, hidden.new_empty((1, 1000)), (rows, cols))
-        assert torch.equal(got, tile[i : i + 1]), i
-        got = tiled_linear(hidden[i : i + 8], weight, bias, hidden.new_empty((8, 1000)), (rows, cols))
-        assert torch.equal(got, tile[i : i + 8]), i
+    n = 4200
+    weight = (torch.randn(n, 600, generator=g) / 8).to(dtype)
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    for cols in (384, 4096):  # weight tiles overlapping at the end (4200 = 10 x 384 + 360 = 4096 + 104)
+        tile = tiled_linear(hidden.clone(), weight, bias, hidden.new_empty((rows, n)), (rows, cols))
+        assert torch.equal(tiled_linear(hidden, weight, bias, hidden.new_empty((rows, n)), (rows, cols)), tile)
+        for idx in ([3], [0, 7], list(range(5, 16)), list(range(16)) + [2, 9]):  # alone, a few, a tile and 2 after
+            got = tiled_linear(hidden[idx], weight, bias, hidden.new_empty((len(idx), n)), (rows, cols))
+            assert torch.equal(got, tile[idx]), (cols, idx)
+        for i in (3, 8):  # a view of one row at an odd offset, and of 8 rows
+            got = tiled_linear(hidden[i : i + 1], weight, bias, hidden.new_empty((1, n)), (rows, cols))
+            assert torch.equal(got, tile[i : i + 1]), (cols, i)
+            got = tiled_linear(hidden[i : i + 8], weight, bias, hidden.new_empty((8, n)), (rows, cols))
+            assert torch.equal(got, tile[i : i + 8]), (cols, i)
     ref = torch.addmm(bias.double(), hidden.double(), weight.double().T)
     tol = dict(rtol=0.02, atol=0.05) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tile.double(), ref, **tol)
