@@ -277,7 +277,7 @@ def _at_offset(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def probe_invariant_gemm(
     device: torch.device, dtype: torch.dtype, width: int, with_bias: bool, tile: tuple[int, int],
-    forms: tuple[tuple[str, int], ...] = SMALL_GEMM_FORMS,
+    forms: tuple[tuple[str, int], ...] | None = None,
 ) -> InvariantGemm:  # fmt: skip
     """Verify on this machine, under the current thread count, what `tiled_linear` relies on, with random
     ``[R, width]`` rows and ``[Nb, width]`` weight rows of `dtype` (`tile` = (R, Nb)), fresh buffers for the rows
@@ -286,15 +286,16 @@ def probe_invariant_gemm(
     1. the R-row tile gives a row the reference's bits at another place in the tile, beside other rows, under
        the current thread count; else on one thread, and then `InvariantGemm.one_thread`; if not even there,
        RuntimeError: invariant mode cannot hold on this machine;
-    2. with the weight at other alignments (1, 16 and 32 bytes' worth of elements in) as well; else
+    2. with the weight at other alignments (1 element and 16 bytes off the allocator's) as well; else
        `InvariantGemm.copy_weight`;
-    3. the first of `forms` whose GEMMs give rows (each of its S positions, a group only partly filled, the
+    3. the first of `forms` (default `SMALL_GEMM_FORMS`, read at the call: empty, none is tried) whose GEMMs give rows (each of its S positions, a group only partly filled, the
        weight at another alignment unless copied) the reference's bits is `InvariantGemm.small`; if none, None.
 
     What is verified is a property of the library's code path for these shapes, not of the values: a path that
     adds in another order rounds some of the R x Nb random sums differently. Cached by `invariant_gemm_form`;
-    costs a few R-row tile GEMMs once per key and process (0.1 s at H = 256 fp32, 1.2 s at H = 4096, here)."""
+    costs a few R-row tile GEMMs once per key and process (here about 0.1 s at H = 256 fp32, 1 s at H = 4096)."""
     rows, cols = tile
+    forms = SMALL_GEMM_FORMS if forms is None else forms
     g = torch.Generator().manual_seed(0)
     a = torch.randn(rows, width, generator=g).to(device, dtype)
     w = (torch.randn(cols, width, generator=g) / max(width, 1) ** 0.5).to(device, dtype)
