@@ -123,10 +123,12 @@ def main(threads: int) -> str:
     cpu = torch.device("cpu")
     forms = {str(d).removeprefix("torch."): chunks.invariant_gemm_form(cpu, d, h, True, (128, 4096)).small
              for d, h in ((torch.float32, 300), (torch.bfloat16, 64), (torch.float64, 64))}  # fmt: skip
-    # the probe reporting that no small form holds, that the tile's bits change with the thread count and with
-    # the weight's alignment: every GEMM then a zero-padded R-row tile, on one thread, from a copied weight tile
+    # the probe reporting that no small form holds, that the tile's bits change with the thread count, the
+    # weight's alignment and the output's layout: every GEMM then a zero-padded R-row tile made on one thread
+    # from a copied weight tile into a fresh buffer
     probed = chunks._probed_gemm
-    chunks._probed_gemm = lambda *key: chunks.InvariantGemm(one_thread=True, copy_weight=True, small=None)
+    chunks._probed_gemm = lambda *key: chunks.InvariantGemm(one_thread=True, copy_weight=True, small=None,
+                                                            direct_out=False)  # fmt: skip
     try:
         check_fused(torch.float32, 300, "fused fp32, the probe's fallback")
     finally:

@@ -341,14 +341,15 @@ def test_the_gemm_probe_keeps_the_bits_where_a_matrix_library_rounds_small_gemms
     assert probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).small is not None  # (this machine's)
     with _planted_library(lambda a, b, r: min(r.shape) < 16):
         verdict = probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384))
-        assert verdict == lmloss.chunks.InvariantGemm(one_thread=False, copy_weight=False, small=None)
+        assert verdict.small is None and not verdict.one_thread and not verdict.copy_weight
         _tiled_rows_alone_hold()
 
 
 def test_the_gemm_probe_keeps_the_bits_where_the_tile_rounds_with_the_thread_count_or_the_alignment():
     """A planted library whose tile rounds differently on two threads: the GEMMs run on one thread; one whose
-    tile rounds differently with the weight off 64-byte alignment: the weight tiles are copied; one that rounds
-    a row by its place in the tile: invariant mode refuses to run, naming why."""
+    tile rounds differently with the weight off 64-byte alignment: the weight tiles are copied; or written into
+    a strided output: each tile is made in a fresh buffer; one that rounds a row by its place in the tile:
+    invariant mode refuses to run, naming why."""
     from lmloss.chunks import probe_invariant_gemm
 
     cpu = torch.device("cpu")
@@ -363,6 +364,9 @@ def test_the_gemm_probe_keeps_the_bits_where_the_tile_rounds_with_the_thread_cou
     with _planted_library(lambda a, b, r: any(t.data_ptr() % 64 for t in (a, b) if 384 in t.shape)):
         assert probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).copy_weight
         _tiled_rows_alone_hold(weight_offset=True)
+    with _planted_library(lambda a, b, r: not r.is_contiguous()):  # a strided output (the chunk's logits)
+        assert not probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).direct_out
+        _tiled_rows_alone_hold()
     planted = _planted_library(lambda a, b, r: slice(0, 1) if r.shape == (16, 384) else None)  # a row's place
     with planted, pytest.raises(RuntimeError, match="cannot hold on this machine"):
         probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384))

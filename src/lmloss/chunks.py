@@ -228,14 +228,17 @@ class InvariantGemm:
     one_thread: the R-row tile rounds differently under the current thread count than on one thread, so every
         GEMM runs on one thread (a tile's bits are then one thread's whatever the caller's count).
     copy_weight: the tile rounds differently with the weight at another alignment, so each weight tile is
-        copied into a fresh buffer first (the hidden rows and the output always are).
+        copied into a fresh buffer first (the hidden rows always are).
     small: the `SMALL_GEMM_FORMS` entry that gives rows the tile's bits, or None: every row in R-row tiles,
         zero-padded where fewer.
+    direct_out: the tile gives the same bits written straight into the output (another row stride and
+        alignment), so whole tiles are; else each tile is made in a fresh buffer and copied out.
     """
 
     one_thread: bool
     copy_weight: bool
     small: tuple[str, int] | None
+    direct_out: bool = False
 
 
 def _gemm_k_parts(width: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int | None]]:
@@ -288,7 +291,9 @@ def probe_invariant_gemm(
        RuntimeError: invariant mode cannot hold on this machine;
     2. with the weight at other alignments (1 element and 16 bytes off the allocator's) as well; else
        `InvariantGemm.copy_weight`;
-    3. the first of `forms` (default `SMALL_GEMM_FORMS`, read at the call: empty, none is tried) whose GEMMs give rows (each of its S positions, a group only partly filled, the
+    3. the tile written into a strided view at another alignment (as into the chunk's logits): if the same
+       bits, `InvariantGemm.direct_out`;
+    4. the first of `forms` (default `SMALL_GEMM_FORMS`, read at the call: empty, none is tried) whose GEMMs give rows (each of its S positions, a group only partly filled, the
        weight at another alignment unless copied) the reference's bits is `InvariantGemm.small`; if none, None.
 
     What is verified is a property of the library's code path for these shapes, not of the values: a path that
@@ -325,6 +330,8 @@ def probe_invariant_gemm(
                 )
             copy_weight = not all(moved_holds(k) for k in offsets)
     with one_thread(device) if serial else contextlib.nullcontext():
+        wide = torch.empty(rows * (cols + 3) + 1, dtype=dtype, device=device)[1:].view(rows, cols + 3)
+        direct = torch.equal(_gemm(a, w.t(), b, wide[:, :cols], k_parts), ref)
         w_other = w if copy_weight else _at_offset(w, 1)
         for form in forms:
             s = form[1]
@@ -340,8 +347,8 @@ def probe_invariant_gemm(
                 if not holds:
                     break
             if holds:
-                return InvariantGemm(serial, copy_weight, form)
-    return InvariantGemm(serial, copy_weight, None)
+                return InvariantGemm(serial, copy_weight, form, direct)
+    return InvariantGemm(serial, copy_weight, None, direct)
 
 
 @functools.lru_cache(maxsize=64)
@@ -356,7 +363,7 @@ def invariant_gemm_form(
     use in the process and cached. CUDA (and any device but the CPU): R-row tiles only, not probed (a GEMM of one
     shape on cuBLAS; docs/invariant.md, "What a GPU must confirm")."""
     if torch.device(device).type != "cpu":
-        return InvariantGemm(False, False, None)
+        return InvariantGemm(False, False, None, True)
     return _probed_gemm(torch.device(device), dtype, width, with_bias, tuple(tile), torch.get_num_threads())
 
 
@@ -369,8 +376,9 @@ def tiled_linear(
     overlapping the one before it (zero-padded where N < Nb); writing overlapping tiles twice writes the same
     values.
 
-    Every logit comes from an R-row tile ``[R, H] @ [H, Nb]`` (its rows copied into a fresh zero-padded buffer,
-    its output a fresh buffer copied out: one alignment for every call), except where `invariant_gemm_form`
+    Every logit comes from an R-row tile ``[R, H] @ [H, Nb]`` (its rows copied into a fresh zero-padded buffer:
+    one alignment for every call; its output written into `out` where the probe verified that this gives the
+    same bits, else into a fresh buffer copied out), except where `invariant_gemm_form`
     verified on this machine that a `SMALL_GEMM_FORMS` shape gives rows the tile's bits: then the rows after the
     last whole tile (a row alone, a chunk's last few) take at most `MAX_SMALL_GEMMS` of those per weight tile
     (about a pass over the weight each, instead of an R-row GEMM). On CPU fp32 each GEMM is split over the hidden
@@ -395,7 +403,8 @@ def tiled_linear(
     tiled = c - lone  # rows made in R-row tiles
     row_starts = _tile_starts(max(tiled, rows), rows) if tiled else []
     h = hidden.new_zeros((rows if small is None else max(rows * bool(tiled), small[1]), hidden.shape[1]))
-    dst = torch.empty((rows, cols), dtype=out.dtype, device=out.device) if tiled else None
+    direct = form.direct_out and tiled >= rows and n >= cols  # whole tiles straight into `out`
+    dst = torch.empty((rows, cols), dtype=out.dtype, device=out.device) if tiled and not direct else None
     with one_thread(hidden.device) if form.one_thread else contextlib.nullcontext():
         for j in _tile_starts(max(n, cols), cols):
             w_j, b_j = w[j : j + cols], None if b is None else b[j : j + cols]
@@ -405,8 +414,11 @@ def tiled_linear(
             for i in row_starts:
                 r_n = min(rows, tiled - i)
                 h[:r_n] = hidden[i : i + r_n]  # (rows past r_n: zeros, only where tiled < R)
-                _gemm(h[:rows], w_j.t(), b_j, dst, k_parts)
-                out[i : i + r_n, j : j + c_n] = dst[:r_n, :c_n]
+                if direct:
+                    _gemm(h[:rows], w_j.t(), b_j, out[i : i + rows, j : j + cols], k_parts)
+                else:
+                    _gemm(h[:rows], w_j.t(), b_j, dst, k_parts)
+                    out[i : i + r_n, j : j + c_n] = dst[:r_n, :c_n]
             if small is not None:
                 s = small[1]
                 for g0 in range(tiled, c, s):
