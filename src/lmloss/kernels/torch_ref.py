@@ -547,9 +547,15 @@ def block_sums(t: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-#: The transcendental functions invariant mode applies elementwise (the softcap's tanh, the exps of every pass,
-#: the log of a row's mass), with the range of arguments each sees there.
-INVARIANT_ELEMENTWISE = {"exp": (-104.0, 0.0), "tanh": (-20.0, 20.0), "log": (2.0**-20, 2.0**24)}
+#: The elementwise functions invariant mode applies whose rounding is a property of PyTorch's kernels rather than
+#: IEEE's (the softcap's tanh, the exps of every pass, the log of a row's mass, the gradient's ``w + p * a``, where
+#: a compiler may fuse the multiply-add in one loop and not in another), with the range of arguments each sees.
+INVARIANT_ELEMENTWISE = {
+    "exp": (lambda x: torch.exp(x), (-104.0, 0.0)),  # (looked up at the call: a planted torch.exp is probed)
+    "tanh": (lambda x: torch.tanh(x), (-20.0, 20.0)),
+    "log": (lambda x: torch.log(x), (2.0**-20, 2.0**24)),
+    "addcmul": (lambda x: torch.addcmul(x, x, x, value=0.37), (-2.0, 2.0)),
+}
 
 
 def probe_invariant_math(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -567,8 +573,7 @@ def probe_invariant_math(device: torch.device, dtype: torch.dtype) -> str | None
     Cached per (device, dtype, thread count) by `check_invariant_math`; costs a few milliseconds."""
     g = torch.Generator().manual_seed(0)
     n = 3 * 2**15 + 13  # odd: the thread ranges and the vector tails fall at other places
-    for name, (lo, hi) in INVARIANT_ELEMENTWISE.items():
-        f = getattr(torch, name)
+    for name, (f, (lo, hi)) in INVARIANT_ELEMENTWISE.items():
         x = (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(device, dtype)
         whole = f(x)
         with one_thread(device):
