@@ -272,10 +272,10 @@ def _small_gemm(form: tuple[str, int], a, w_tile, bias, k_parts) -> torch.Tensor
     return _gemm(w_tile, a.t(), None if bias is None else bias[:, None], a.new_empty((n, s)), k_parts).t()
 
 
-def _at_offset(t: torch.Tensor, k: int) -> torch.Tensor:
-    """A copy of `t` `k` elements into a fresh buffer (a fresh buffer's alignment is the allocator's)."""
-    buf = torch.empty(t.numel() + k, dtype=t.dtype, device=t.device)
-    return buf[k:].view(t.shape).copy_(t)
+def _at_offset(t: torch.Tensor, k: int, buf: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` `k` elements into `buf` (a fresh buffer of at least ``t.numel() + k`` elements, whose
+    alignment is the allocator's; reused by the probe's copies one after another)."""
+    return buf[k : k + t.numel()].view(t.shape).copy_(t)
 
 
 def probe_invariant_gemm(
@@ -315,8 +315,10 @@ def probe_invariant_gemm(
     with one_thread(device):
         ref = tile_gemm(a, w)
 
+    moved_w = torch.empty(w.numel() + max(offsets), dtype=dtype, device=device)  # the weight at other offsets
+
     def moved_holds(k: int) -> bool:  # rows moved by 37 + k places (other neighbours), the weight k elements in
-        return torch.equal(tile_gemm(a.roll(37 + k, 0).clone(), _at_offset(w, k)).roll(-37 - k, 0), ref)
+        return torch.equal(tile_gemm(a.roll(37 + k, 0).clone(), _at_offset(w, k, moved_w)).roll(-37 - k, 0), ref)
 
     serial = copy_weight = False
     if not all(moved_holds(k) for k in offsets):  # (two tile GEMMs where all holds) which property fails:
@@ -332,7 +334,7 @@ def probe_invariant_gemm(
     with one_thread(device) if serial else contextlib.nullcontext():
         wide = torch.empty(rows * (cols + 3) + 1, dtype=dtype, device=device)[1:].view(rows, cols + 3)
         direct = torch.equal(_gemm(a, w.t(), b, wide[:, :cols], k_parts), ref)
-        w_other = w if copy_weight else _at_offset(w, 1)
+        w_other = w if copy_weight else _at_offset(w, 1, moved_w)
         for form in forms:
             s = form[1]
             if s >= rows:  # no smaller than the tile
