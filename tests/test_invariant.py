@@ -7,6 +7,7 @@ tests/distributed/test_invariant_parallel.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -254,24 +255,171 @@ def test_fused_tiles_that_overlap_at_the_ends_give_the_same_bits_for_every_split
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _at_odd_offset(t):
+    """`t` copied one element into a fresh buffer (rows of it at odd offsets: another alignment)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    return buf[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 def test_tiled_linear_gives_a_row_alone_or_in_a_few_the_bits_of_a_whole_tile(dtype):
-    """`tiled_linear`'s rows after the whole R-row tiles (one transposed GEMM over the whole weight, its hidden
-    dimension split in `_CPU_GEMM_K` parts for fp32) get the bits the same rows get inside an R-row tile, over
-    a weight of several overlapping tiles and with a bias."""
+    """`tiled_linear`'s rows after the whole R-row tiles (a small GEMM where the probe verified it, else a padded
+    tile; fp32's hidden dimension in `_CPU_GEMM_K` parts) get the bits the same rows get inside an R-row tile,
+    over a weight of several overlapping tiles, with a bias, and with the hidden rows at odd offsets (MKL's
+    float64 GEMM rounds a row 8 bytes off its 16-byte alignment differently)."""
     from lmloss.chunks import tiled_linear
 
     g = torch.Generator().manual_seed(21)
-    rows, cols = 16, 384
-    hidden = torch.randn(rows, 600, generator=g).to(dtype)  # fp32: three hidden parts (256, 256, 88)
-    weight = (torch.randn(1000, 600, generator=g) / 8).to(dtype)  # tiles at 0, 384 and 616 (overlapping)
-    bias = (torch.randn(1000, generator=g) * 0.1).to(dtype)
-    tile = tiled_linear(hidden, weight, bias, hidden.new_empty((rows, 1000)), (rows, cols))
-    for idx in ([3], [0, 7], list(range(5, 16)), list(range(16)) + [2, 9]):  # alone, a few, a tile and 2 after it
-        got = tiled_linear(hidden[idx], weight, bias, hidden.new_empty((len(idx), 1000)), (rows, cols))
-        assert torch.equal(got, tile[idx]), idx
+    rows = 16
+    hidden = _at_odd_offset(torch.randn(rows, 600, generator=g).to(dtype))  # fp32: three hidden parts (256, 256, 88)
+    n = 4200
+    weight = (torch.randn(n, 600, generator=g) / 8).to(dtype)
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    for cols in (384, 4096):  # weight tiles overlapping at the end (4200 = 10 x 384 + 360 = 4096 + 104)
+        tile = tiled_linear(hidden.clone(), weight, bias, hidden.new_empty((rows, n)), (rows, cols))
+        assert torch.equal(tiled_linear(hidden, weight, bias, hidden.new_empty((rows, n)), (rows, cols)), tile)
+        for idx in ([3], [0, 7], list(range(5, 16)), list(range(16)) + [2, 9]):  # alone, a few, a tile and 2 after
+            got = tiled_linear(hidden[idx], weight, bias, hidden.new_empty((len(idx), n)), (rows, cols))
+            assert torch.equal(got, tile[idx]), (cols, idx)
+        for i in (3, 8):  # a view of one row at an odd offset, and of 8 rows
+            got = tiled_linear(hidden[i : i + 1], weight, bias, hidden.new_empty((1, n)), (rows, cols))
+            assert torch.equal(got, tile[i : i + 1]), (cols, i)
+            got = tiled_linear(hidden[i : i + 8], weight, bias, hidden.new_empty((8, n)), (rows, cols))
+            assert torch.equal(got, tile[i : i + 8]), (cols, i)
     ref = torch.addmm(bias.double(), hidden.double(), weight.double().T)
-    torch.testing.assert_close(tile.double(), ref, **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)))
+    tol = dict(rtol=0.02, atol=0.05) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tile.double(), ref, **tol)
+
+
+@contextlib.contextmanager
+def _planted_library(differs):
+    """`torch.mm` / `torch.addmm` as a matrix library whose kernels round one ulp differently where
+    ``differs(a, b, out)`` says (True: the whole output, or the rows it returns), and `tiled_linear`'s cached
+    verdicts forgotten before and after."""
+    mm, addmm = torch.mm, torch.addmm
+
+    def nudge(a, b, r):
+        where = differs(a, b, r)
+        if where is True:
+            where = slice(None)
+        if where is not None and where is not False:
+            r[where] = torch.nextafter(r[where], torch.full_like(r[where], math.inf))
+        return r
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(torch, "mm", lambda a, b, *, out=None: nudge(a, b, mm(a, b, out=out)))
+    patch.setattr(torch, "addmm", lambda c, a, b, *, out=None: nudge(a, b, addmm(c, a, b, out=out)))
+    lmloss.chunks._probed_gemm.cache_clear()
+    try:
+        yield
+    finally:
+        patch.undo()
+        lmloss.chunks._probed_gemm.cache_clear()
+
+
+def _tiled_rows_alone_hold(dtype=torch.float32, weight_offset=False):
+    """`tiled_linear` of rows alone and of 3 rows give the bits of the whole 16-row tile (a 384-row weight tile,
+    the weight at an odd offset if asked)."""
+    from lmloss.chunks import tiled_linear
+
+    g = torch.Generator().manual_seed(22)
+    hidden = torch.randn(16, 40, generator=g).to(dtype)
+    weight = (torch.randn(500, 40, generator=g) / 8).to(dtype)
+    tile = tiled_linear(hidden, weight, None, hidden.new_empty((16, 500)), (16, 384))
+    weight = _at_odd_offset(weight) if weight_offset else weight
+    for idx in ([5], [15], [0, 9, 4]):
+        got = tiled_linear(hidden[idx], weight, None, hidden.new_empty((len(idx), 500)), (16, 384))
+        assert torch.equal(got, tile[idx]), idx
+
+
+def test_the_gemm_probe_keeps_the_bits_where_a_matrix_library_rounds_small_gemms_differently():
+    """Force the probe to find that no small form holds (a planted library rounding every GEMM of fewer than 16
+    rows or columns differently): rows alone then take zero-padded tiles and keep the tile's bits."""
+    from lmloss.chunks import probe_invariant_gemm
+
+    cpu = torch.device("cpu")
+    assert probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).small is not None  # (this machine's)
+    with _planted_library(lambda a, b, r: min(r.shape) < 16):
+        verdict = probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384))
+        assert verdict.small is None and not verdict.one_thread and not verdict.copy_weight
+        _tiled_rows_alone_hold()
+
+
+def test_the_gemm_probe_keeps_the_bits_where_the_tile_rounds_with_the_thread_count_or_the_alignment():
+    """A planted library whose tile rounds differently on two threads: the GEMMs run on one thread; one whose
+    tile rounds differently with the weight off 64-byte alignment: the weight tiles are copied; or written into
+    a strided output: each tile is made in a fresh buffer; one that rounds a row by its place in the tile:
+    invariant mode refuses to run, naming why."""
+    from lmloss.chunks import probe_invariant_gemm
+
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _planted_library(lambda a, b, r: torch.get_num_threads() > 1):
+            assert probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).one_thread
+            _tiled_rows_alone_hold()
+    finally:
+        torch.set_num_threads(threads)
+    with _planted_library(lambda a, b, r: any(t.data_ptr() % 64 for t in (a, b) if 384 in t.shape)):
+        assert probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).copy_weight
+        _tiled_rows_alone_hold(weight_offset=True)
+    with _planted_library(lambda a, b, r: not r.is_contiguous()):  # a strided output (the chunk's logits)
+        assert not probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384)).direct_out
+        _tiled_rows_alone_hold()
+    planted = _planted_library(lambda a, b, r: slice(0, 1) if r.shape == (16, 384) else None)  # a row's place
+    with planted, pytest.raises(RuntimeError, match="cannot hold on this machine"):
+        probe_invariant_gemm(cpu, torch.float32, 40, False, (16, 384))
+
+
+def test_the_math_probe_refuses_where_short_and_long_exps_round_differently(monkeypatch):
+    from lmloss.kernels.torch_ref import probe_invariant_math
+
+    cpu = torch.device("cpu")
+    assert probe_invariant_math(cpu, torch.float32) is None and probe_invariant_math(cpu, torch.float64) is None
+    exp = torch.exp
+    monkeypatch.setattr(torch, "exp", lambda x: exp(x) if x.numel() > 64 else torch.nextafter(exp(x), x.new_tensor(2.0)))
+    assert probe_invariant_math(cpu, torch.float32) == "torch.exp of 1 values rounds differently than of 98317"
+    lmloss.kernels.torch_ref._math_verdict.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="invariant=True cannot hold on this machine: torch.exp of 1 values"):
+            lmloss.token_logprobs(torch.randn(3, 200), torch.zeros(3, dtype=torch.long), invariant=True)
+    finally:
+        lmloss.kernels.torch_ref._math_verdict.cache_clear()
+
+
+def test_invariant_holds_under_every_cpu_code_path_this_machine_can_emulate():
+    """tests/invariant_variants.py in a fresh process per `VARIANTS` entry (environment variables the libraries
+    read when they load, 1 or 2 threads), two at a time: each checks fused fp32 / bf16 / float64 and from-logits
+    outputs across splits, the docs example, the first PPO ratio and the probe's fallback, and says which
+    ATen code path ran (ATEN_CPU_CAPABILITY=default must give the scalar one)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import invariant_variants
+
+    here = Path(__file__).resolve().parent
+    src = str(here.parent / "src")
+    script = str(here / "invariant_variants.py")
+    names = list(invariant_variants.VARIANTS)
+    pending, running, results = list(names), {}, {}
+    while pending or running:
+        while pending and len(running) < 2:  # two at a time (2 cores)
+            name = pending.pop(0)
+            env_vars, threads = invariant_variants.VARIANTS[name]
+            env = {**os.environ, **env_vars, "PYTHONPATH": src, "OMP_NUM_THREADS": str(threads),
+                   "OMP_WAIT_POLICY": "PASSIVE"}  # (two processes of 2 threads on 2 cores: no spinning)
+            running[name] = subprocess.Popen([sys.executable, "-W", "ignore", script, str(threads)], env=env,
+                                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        name = next(iter(running))
+        results[name] = running.pop(name).communicate(timeout=600)
+    for name in names:
+        out, err = results[name]
+        assert out.startswith("ok "), f"{name}: {err[-3000:]}"
+    assert "capability=DEFAULT threads=1" in results["aten-default-mkl-sse4_2-1-thread"][0]
+    assert "threads=2" in results["mkl-cbwr-compatible-2-threads"][0]
 
 
 def test_fused_under_top_p_and_a_replayed_support_gives_the_same_bits_for_every_split():

@@ -5,7 +5,8 @@
     python tools/ab_bench.py --a src --b src --b-invariant --case logits_fp32_auto --case fused_logprobs_fp32
 
 With ``--b-invariant`` side B runs the cases' lmloss op with ``invariant=True`` (docs/invariant.md): the cost of
-the invariant mode against the default, in one tree (only the cases whose op takes it, `INVARIANT_CASES`).
+the invariant mode against the default, in one tree (only the cases whose op takes it, `INVARIANT_CASES`); with
+``--a-invariant`` as well, two trees' invariant modes.
 
 Each round runs every case once in tree A and once in tree B, alternating which goes first, each in a fresh
 process (so each side imports its own lmloss) that builds the case's inputs (seeded), runs one untimed warm-up
@@ -173,6 +174,27 @@ CASES = {
                             "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', half ignored"),
     "narrow_none_ignored": (_logits_ignored(16384, 256, half=False),
                             "token_logprobs over a narrow vocabulary [16384, 256] fp32, chunk 'auto', none ignored"),
+    # an engine scoring one token at a time (docs/invariant.md, "Small batches"): 200 single-row calls per step
+    "single_row_logits": ("""
+        x = torch.randn(200, 1, 32000) * 2; y = torch.randint(0, 32000, (200, 1))
+        def step():
+            with torch.no_grad():
+                for i in range(200): lmloss.token_logprobs(x[i], y[i], **INV)
+    """, "200 single-row token_logprobs [1, 32000] fp32, no grad"),
+    "single_row_fused": ("""
+        h = torch.randn(200, 1, 256); w = torch.randn(32000, 256) / 16; y = torch.randint(0, 32000, (200, 1))
+        def step():
+            with torch.no_grad():
+                for i in range(200): lmloss.linear_token_logprobs(h[i], w, y[i], **INV)
+    """, "200 single-row linear_token_logprobs [1, 256] x [32000, 256] fp32, no grad"),
+    # the same where no small GEMM form is verified (lmloss.chunks.probe_invariant_gemm): each row a padded tile
+    "single_row_fused_tiles": ("""
+        lmloss.chunks.SMALL_GEMM_FORMS = ()
+        h = torch.randn(200, 1, 256); w = torch.randn(32000, 256) / 16; y = torch.randint(0, 32000, (200, 1))
+        def step():
+            with torch.no_grad():
+                for i in range(200): lmloss.linear_token_logprobs(h[i], w, y[i], **INV)
+    """, "single_row_fused with no small GEMM form allowed (every row in a zero-padded 128-row tile)"),
 }
 
 #: The cases whose op takes ``invariant=`` (their code passes ``**INV``).
@@ -221,16 +243,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write every sample here")
     p.add_argument("--b-invariant", action="store_true", help="side B passes invariant=True to the case's op")
+    p.add_argument("--a-invariant", action="store_true", help="side A too (two trees' invariant modes)")
     args = p.parse_args()
-    cases = args.case or list(INVARIANT_CASES if args.b_invariant else CASES)
-    if args.b_invariant and set(cases) - set(INVARIANT_CASES):
-        p.error(f"--b-invariant takes the cases {', '.join(INVARIANT_CASES)}")
+    invariant = {"a": args.a_invariant, "b": args.b_invariant}
+    cases = args.case or list(INVARIANT_CASES if any(invariant.values()) else CASES)
+    if any(invariant.values()) and set(cases) - set(INVARIANT_CASES):
+        p.error(f"--a-invariant / --b-invariant take the cases {', '.join(INVARIANT_CASES)}")
     samples = {c: {"a": [], "b": [], "peak_a": None, "peak_b": None} for c in cases}
     for r in range(args.rounds):
         for c in cases:
             order = ("a", "b") if r % 2 == 0 else ("b", "a")
             for side in order:
-                got = run_one(getattr(args, side), c, args.steps, args.threads, args.b_invariant and side == "b")
+                got = run_one(getattr(args, side), c, args.steps, args.threads, invariant[side])
                 samples[c][side].append(got["ms"])
                 samples[c]["peak_" + side] = got["peak_mib"]
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ gradients. The loss Functions (`lmloss.functions`) run any head through the loop
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -25,6 +26,7 @@ import os
 import torch
 
 from lmloss.kernels import ChunkScratch, scale_, scaled_cast
+from lmloss.kernels.torch_ref import one_thread
 from lmloss.rows import Rows, RowSelection
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_, gather_rows, reduce_scatter_rows, world_size
 
@@ -200,80 +202,232 @@ def _tile_starts(n: int, size: int) -> list[int]:
 
 
 #: The CPU's invariant fp32 GEMMs sum the hidden dimension in chunks of this many columns (the last one shorter),
-#: one GEMM each, added in order: with MKL here a longer fp32 reduction rounds differently for other row counts
-#: and thread counts (H = 4096: the 128-row tile itself changed between 1 and 2 threads; bf16 / fp16 did not).
+#: one GEMM each, added in order, so that no GEMM reduces more than 256 terms (with MKL a longer fp32 reduction
+#: rounded differently under another thread count: H = 4096, the 128-row tile between 1 and 2 threads). bf16 /
+#: fp16 partials would round to the output dtype, and float64 ones are not split.
 _CPU_GEMM_K = 256
+
+#: The small GEMM forms `tiled_linear` may give the rows after the last whole R-row tile (a row alone, a chunk's
+#: last few), cheapest first, each of a fixed shape against one Nb-row weight tile: ``("rows", S)`` is
+#: ``[S, H] @ [H, Nb]``, ``("cols", S)`` is ``weight_tile [Nb, H] @ [H, S]``, the rows zero-padded to S. A form
+#: is used only where `probe_invariant_gemm` found that it gives rows the bits of the R-row tile on this machine.
+SMALL_GEMM_FORMS: tuple[tuple[str, int], ...] = (
+    ("rows", 1), ("cols", 1), ("cols", 2), ("rows", 2), ("cols", 4), ("rows", 4), ("cols", 8), ("rows", 8),
+    ("cols", 16), ("rows", 16),
+)  # fmt: skip
+#: At most this many small GEMMs (each a pass over the weight) for the rows after the whole tiles; more rows take
+#: one zero-padded R-row tile (one pass over the weight at a GEMM's full rate).
+MAX_SMALL_GEMMS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class InvariantGemm:
+    """How `tiled_linear` makes its GEMMs for one (device, dtype, H, bias or not, tile, thread count): what
+    `probe_invariant_gemm` verified on this machine.
+
+    one_thread: the R-row tile rounds differently under the current thread count than on one thread, so every
+        GEMM runs on one thread (a tile's bits are then one thread's whatever the caller's count).
+    copy_weight: the tile rounds differently with the weight at another alignment, so each weight tile is
+        copied into a fresh buffer first (the hidden rows always are).
+    small: the `SMALL_GEMM_FORMS` entry that gives rows the tile's bits, or None: every row in R-row tiles,
+        zero-padded where fewer.
+    direct_out: the tile gives the same bits written straight into the output (another row stride and
+        alignment), so whole tiles are; else each tile is made in a fresh buffer and copied out.
+    """
+
+    one_thread: bool
+    copy_weight: bool
+    small: tuple[str, int] | None
+    direct_out: bool = False
+
+
+def _gemm_k_parts(width: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int | None]]:
+    """The hidden dimension's parts, one GEMM each, added in order (`_CPU_GEMM_K` on CPU fp32, else one part)."""
+    if device.type == "cpu" and dtype == torch.float32 and width > 0:
+        return [(k, min(k + _CPU_GEMM_K, width)) for k in range(0, width, _CPU_GEMM_K)]
+    return [(0, None)]
+
+
+def _gemm(a, bt, bias, dst, k_parts) -> torch.Tensor:
+    """``dst = a @ bt (+ bias)``, one GEMM per hidden part of `k_parts`, the parts added in order."""
+    tmp = torch.empty_like(dst) if len(k_parts) > 1 else None
+    for i, (k0, k1) in enumerate(k_parts):
+        target = dst if i == 0 else tmp
+        if i == 0 and bias is not None:
+            torch.addmm(bias, a[:, k0:k1], bt[k0:k1], out=target)
+        else:
+            torch.mm(a[:, k0:k1], bt[k0:k1], out=target)
+        if i:
+            dst.add_(tmp)
+    return dst
+
+
+def _small_gemm(form: tuple[str, int], a, w_tile, bias, k_parts) -> torch.Tensor:
+    """The `SMALL_GEMM_FORMS` GEMM of S rows ``a [S, H]`` against ``w_tile [Nb, H]`` (and ``bias [Nb]``) into a
+    fresh buffer -> ``[S, Nb]`` (for ``"cols"`` a view of the ``[Nb, S]`` result)."""
+    kind, s = form
+    n = w_tile.shape[0]
+    if kind == "rows":
+        return _gemm(a, w_tile.t(), bias, a.new_empty((s, n)), k_parts)
+    return _gemm(w_tile, a.t(), None if bias is None else bias[:, None], a.new_empty((n, s)), k_parts).t()
+
+
+def _at_offset(t: torch.Tensor, k: int, buf: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` `k` elements into `buf` (a fresh buffer of at least ``t.numel() + k`` elements, whose
+    alignment is the allocator's; reused by the probe's copies one after another)."""
+    return buf[k : k + t.numel()].view(t.shape).copy_(t)
+
+
+def probe_invariant_gemm(
+    device: torch.device, dtype: torch.dtype, width: int, with_bias: bool, tile: tuple[int, int],
+    forms: tuple[tuple[str, int], ...] | None = None,
+) -> InvariantGemm:  # fmt: skip
+    """Verify on this machine, under the current thread count, what `tiled_linear` relies on, with random
+    ``[R, width]`` rows and ``[Nb, width]`` weight rows of `dtype` (`tile` = (R, Nb)), fresh buffers for the rows
+    and the output (as `tiled_linear` gives them), and as the reference their R-row tile GEMM on one thread:
+
+    1. the R-row tile gives a row the reference's bits at another place in the tile, beside other rows, under
+       the current thread count; else on one thread, and then `InvariantGemm.one_thread`; if not even there,
+       RuntimeError: invariant mode cannot hold on this machine;
+    2. with the weight at other alignments (1 element and 16 bytes off the allocator's) as well; else
+       `InvariantGemm.copy_weight`;
+    3. the tile written into a strided view at another alignment (as into the chunk's logits): if the same
+       bits, `InvariantGemm.direct_out`;
+    4. the first of `forms` (default `SMALL_GEMM_FORMS`, read at the call: empty, none is tried) whose GEMMs give rows (each of its S positions, a group only partly filled, the
+       weight at another alignment unless copied) the reference's bits is `InvariantGemm.small`; if none, None.
+
+    What is verified is a property of the library's code path for these shapes, not of the values: a path that
+    adds in another order rounds some of the R x Nb random sums differently. Cached by `invariant_gemm_form`;
+    costs a few R-row tile GEMMs once per key and process (here about 0.1 s at H = 256 fp32, 1 s at H = 4096)."""
+    rows, cols = tile
+    forms = SMALL_GEMM_FORMS if forms is None else forms
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, width, generator=g).to(device, dtype)
+    w = (torch.randn(cols, width, generator=g) / max(width, 1) ** 0.5).to(device, dtype)
+    b = (torch.randn(cols, generator=g) * 0.1).to(device, dtype) if with_bias else None
+    k_parts = _gemm_k_parts(width, dtype, device)
+    item = torch.empty((), dtype=dtype).element_size()
+    offsets = sorted({1, max(16 // item, 1)})  # the weight 1 element and 16 bytes off the allocator's alignment
+
+    def tile_gemm(a_, w_):
+        return _gemm(a_, w_.t(), b, torch.empty((rows, cols), dtype=dtype, device=device), k_parts)
+
+    with one_thread(device):
+        ref = tile_gemm(a, w)
+
+    moved_w = torch.empty(w.numel() + max(offsets), dtype=dtype, device=device)  # the weight at other offsets
+
+    def moved_holds(k: int) -> bool:  # rows moved by 37 + k places (other neighbours), the weight k elements in
+        return torch.equal(tile_gemm(a.roll(37 + k, 0).clone(), _at_offset(w, k, moved_w)).roll(-37 - k, 0), ref)
+
+    serial = copy_weight = False
+    if not all(moved_holds(k) for k in offsets):  # (two tile GEMMs where all holds) which property fails:
+        serial = not moved_holds(0)  # the place alone, under these threads
+        with one_thread(device) if serial else contextlib.nullcontext():
+            if serial and not moved_holds(0):
+                raise RuntimeError(
+                    f"invariant=True cannot hold on this machine: its matrix library gives a row of a {dtype} "
+                    f"[{rows}, {width}] x [{width}, {cols}] GEMM other bits at another place in the tile, even on "
+                    "one thread"
+                )
+            copy_weight = not all(moved_holds(k) for k in offsets)
+    with one_thread(device) if serial else contextlib.nullcontext():
+        wide = torch.empty(rows * (cols + 3) + 1, dtype=dtype, device=device)[1:].view(rows, cols + 3)
+        direct = torch.equal(_gemm(a, w.t(), b, wide[:, :cols], k_parts), ref)
+        w_other = w if copy_weight else _at_offset(w, 1, moved_w)
+        for form in forms:
+            s = form[1]
+            if s >= rows:  # no smaller than the tile
+                continue
+            holds = True
+            for start, count, w_ in ((0, s, w), (s, max(s - 1, 1), w_other)):  # a full group, one a row short
+                if start + count > rows:
+                    break
+                group = a.new_zeros((s, width))
+                group[:count] = a[start : start + count]
+                holds = torch.equal(_small_gemm(form, group, w_, b, k_parts)[:count], ref[start : start + count])
+                if not holds:
+                    break
+            if holds:
+                return InvariantGemm(serial, copy_weight, form, direct)
+    return InvariantGemm(serial, copy_weight, None, direct)
+
+
+@functools.lru_cache(maxsize=64)
+def _probed_gemm(device, dtype, width, with_bias, tile, threads) -> InvariantGemm:
+    return probe_invariant_gemm(device, dtype, width, with_bias, tile)
+
+
+def invariant_gemm_form(
+    device: torch.device, dtype: torch.dtype, width: int, with_bias: bool, tile: tuple[int, int]
+) -> InvariantGemm:
+    """`probe_invariant_gemm`'s verdict for these GEMMs under the current intra-op thread count, probed at first
+    use in the process and cached. CUDA (and any device but the CPU): R-row tiles only, not probed (a GEMM of one
+    shape on cuBLAS; docs/invariant.md, "What a GPU must confirm")."""
+    if torch.device(device).type != "cpu":
+        return InvariantGemm(False, False, None, True)
+    return _probed_gemm(torch.device(device), dtype, width, with_bias, tuple(tile), torch.get_num_threads())
 
 
 def tiled_linear(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: tuple[int, int]
 ) -> torch.Tensor:
     """``out[:c, :N] = hidden @ weight.T (+ bias)`` for ``hidden [c, H]`` and ``weight [N, H]`` by GEMMs of fixed
-    shapes, so that a logit's bits depend on its own row of `hidden` and column of `weight` (and the library's
-    kernels for those shapes), not on c, N or its place. `tile` = (R, Nb): tiles of Nb weight rows, the last
+    shapes, so that a logit's bits depend on its own row of `hidden` and column of `weight`, not on c, N, its
+    place, the inputs' alignment or the thread count. `tile` = (R, Nb): tiles of Nb weight rows, the last
     overlapping the one before it (zero-padded where N < Nb); writing overlapping tiles twice writes the same
     values.
 
-    CUDA: each tile is one ``[R, H] @ [H, Nb]`` GEMM, the rows in tiles of R too (zero-padded where c < R).
-    CPU: fp32 sums the hidden dimension in chunks of `_CPU_GEMM_K` (one GEMM each, added in order); the whole R-row tiles
-    as ``[R, H] @ [H, Nb]``, and the rows after them (c < R included) as one ``weight @ hidden_rows.T`` over the
-    whole (padded) weight for any count of at least 2 rows (one row gets a zero row beside it): with this CPU's
-    MKL both give a row the same bits as an R-row tile, for fp32, bf16 and fp16, 1 or 2 threads (checked over H
-    up to 4096, 2 to 127 rows, tiles of 384 to 4096 weight rows and transposed GEMMs of 11 to 128256 weight rows;
-    fp32 GEMMs of 10 weight rows or fewer round differently, which the padding to Nb keeps out), so a row alone
-    costs about one pass over the weight instead of an R-row GEMM (one GEMM rather than one per tile: 1.2 against
-    1.5 ms at 32000 x 256 fp32, 2 threads). float64 (where the transposed form rounds differently) pads the rows
-    to whole tiles."""
+    Every logit comes from an R-row tile ``[R, H] @ [H, Nb]`` (its rows copied into a fresh zero-padded buffer:
+    one alignment for every call; its output written into `out` where the probe verified that this gives the
+    same bits, else into a fresh buffer copied out), except where `invariant_gemm_form`
+    verified on this machine that a `SMALL_GEMM_FORMS` shape gives rows the tile's bits: then the rows after the
+    last whole tile (a row alone, a chunk's last few) take at most `MAX_SMALL_GEMMS` of those per weight tile
+    (about a pass over the weight each, instead of an R-row GEMM). On CPU fp32 each GEMM is split over the hidden
+    dimension in parts of `_CPU_GEMM_K` columns added in order. Where the probe found the tile's bits change with
+    the thread count, the GEMMs run on one thread; with the weight's alignment, each weight tile is copied."""
     rows, cols = tile
     c, n = hidden.shape[0], weight.shape[0]
     if c == 0 or n == 0:
         return out
-    h, w, b = hidden, weight, bias
-    cpu = hidden.device.type == "cpu" and hidden.shape[1] > 0
-    lone_rows = c % rows if cpu and hidden.dtype != torch.float64 else 0  # rows after the whole tiles
-    if c < rows and not lone_rows:
-        h = hidden.new_zeros((rows, hidden.shape[1]))
-        h[:c] = hidden
+    form = invariant_gemm_form(hidden.device, hidden.dtype, hidden.shape[1], bias is not None, tile)
+    k_parts = _gemm_k_parts(hidden.shape[1], hidden.dtype, hidden.device)
+    w, b = weight, bias
     if n < cols:
         w = weight.new_zeros((cols, weight.shape[1]))
         w[:n] = weight
         if bias is not None:
             b = bias.new_zeros(cols)
             b[:n] = bias
-    split_k = cpu and hidden.dtype == torch.float32  # (bf16 / fp16 partials would round to the output dtype)
-    k_parts = [(k, k + _CPU_GEMM_K) for k in range(0, hidden.shape[1], _CPU_GEMM_K)] if split_k else [(0, None)]
-
-    def gemm(a, bt, bias_, dst, tmp):  # dst = a @ bt (+ bias_) over the hidden chunks, added in order
-        for i, (k0, k1) in enumerate(k_parts):
-            target = dst if i == 0 else tmp
-            if i == 0 and bias_ is not None:
-                torch.addmm(bias_, a[:, k0:k1], bt[k0:k1], out=target)
-            else:
-                torch.mm(a[:, k0:k1], bt[k0:k1], out=target)
-            if i:
-                dst.add_(tmp)
-        return dst
-
-    n_tiled = c - lone_rows if lone_rows else max(c, rows)  # rows made in R-row tiles (padded where c < R)
-    direct = c >= rows and n >= cols
-    scratch = None if direct else torch.empty((rows, cols), dtype=out.dtype, device=out.device)
-    tmp = torch.empty((rows, cols), dtype=out.dtype, device=out.device) if len(k_parts) > 1 else None
-    if n_tiled:
-        for i in _tile_starts(n_tiled, rows):
-            for j in _tile_starts(max(n, cols), cols):
-                dst = out[i : i + rows, j : j + cols] if direct else scratch
-                gemm(h[i : i + rows], w[j : j + cols].t(), None if b is None else b[j : j + cols], dst, tmp)
-                if not direct:
-                    r_n, c_n = min(rows, c - i), min(cols, n - j)
+    small, lone = form.small, c % rows  # lone: the rows after the last whole tile
+    if small is None or not lone or -(-lone // small[1]) > MAX_SMALL_GEMMS:
+        small, lone = None, 0
+    tiled = c - lone  # rows made in R-row tiles
+    row_starts = _tile_starts(max(tiled, rows), rows) if tiled else []
+    h = hidden.new_zeros((rows if small is None else max(rows * bool(tiled), small[1]), hidden.shape[1]))
+    direct = form.direct_out and tiled >= rows and n >= cols  # whole tiles straight into `out`
+    dst = torch.empty((rows, cols), dtype=out.dtype, device=out.device) if tiled and not direct else None
+    with one_thread(hidden.device) if form.one_thread else contextlib.nullcontext():
+        for j in _tile_starts(max(n, cols), cols):
+            w_j, b_j = w[j : j + cols], None if b is None else b[j : j + cols]
+            if form.copy_weight:
+                w_j = w_j.clone()
+            c_n = min(cols, n - j)
+            for i in row_starts:
+                r_n = min(rows, tiled - i)
+                h[:r_n] = hidden[i : i + r_n]  # (rows past r_n: zeros, only where tiled < R)
+                if direct:
+                    _gemm(h[:rows], w_j.t(), b_j, out[i : i + rows, j : j + cols], k_parts)
+                else:
+                    _gemm(h[:rows], w_j.t(), b_j, dst, k_parts)
                     out[i : i + r_n, j : j + c_n] = dst[:r_n, :c_n]
-    if lone_rows:  # transposed, all of the (padded) weight in one GEMM: weight [N, H] @ hidden_rows.T [H, r], r >= 2
-        lone = hidden[n_tiled:]
-        if lone_rows == 1:
-            lone = torch.cat([lone, lone.new_zeros((1, lone.shape[1]))])
-        acc = torch.empty((w.shape[0], lone.shape[0]), dtype=out.dtype, device=out.device)
-        tmp_t = torch.empty_like(acc) if len(k_parts) > 1 else None
-        gemm(w, lone.t(), None if b is None else b[:, None], acc, tmp_t)
-        out[n_tiled:c, :n] = acc[:n, :lone_rows].t()
+            if small is not None:
+                s = small[1]
+                for g0 in range(tiled, c, s):
+                    k = min(s, c - g0)
+                    h[:k] = hidden[g0 : g0 + k]
+                    h[k:s] = 0
+                    out[g0 : g0 + k, j : j + c_n] = _small_gemm(small, h[:s], w_j, b_j, k_parts)[:k, :c_n]
     return out
 
 

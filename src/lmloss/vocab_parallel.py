@@ -176,8 +176,9 @@ def combine_blocks(blocks, group: ProcessGroup | None) -> torch.Tensor:
     and the NaN count, 8 for the infinities of ``sum y``; float64: two words per sum, target and count
     apart. The small ``[c, n_blocks]`` ops run on one CPU thread.
     """
-    from lmloss.kernels.torch_ref import one_thread
+    from lmloss.kernels.torch_ref import check_invariant_math, one_thread
 
+    check_invariant_math(blocks.s.device, blocks.s.dtype)  # (once per process, dtype and thread count)
     with one_thread(blocks.s.device):
         return _combine_blocks(blocks, group)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -604,6 +605,74 @@ def block_sums(t: torch.Tensor, block: int) -> torch.Tensor:
         with serial_row_reductions(rows, t.device):
             out[:, n_full] = tail.sum(-1)
     return out
+
+
+#: The elementwise functions invariant mode applies whose rounding is a property of PyTorch's kernels rather than
+#: IEEE's (the softcap's tanh, the exps of every pass, the log of a row's mass, the gradient's ``w + p * a``, where
+#: a compiler may fuse the multiply-add in one loop and not in another), with the range of arguments each sees.
+INVARIANT_ELEMENTWISE = {
+    "exp": (lambda x: torch.exp(x), (-104.0, 0.0)),  # (looked up at the call: a planted torch.exp is probed)
+    "tanh": (lambda x: torch.tanh(x), (-20.0, 20.0)),
+    "log": (lambda x: torch.log(x), (2.0**-20, 2.0**24)),
+    "addcmul": (lambda x: torch.addcmul(x, x, x, value=0.37), (-2.0, 2.0)),
+}
+
+
+def probe_invariant_math(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Verify on this machine, under the current thread count, what invariant mode's PyTorch math relies on
+    besides the GEMMs (`lmloss.chunks.probe_invariant_gemm`), in `dtype` (the kernels' fp32 or float64): None if
+    it holds, else what does not.
+
+    * each of `INVARIANT_ELEMENTWISE` gives a value the same bits wherever it sits: in a long contiguous tensor
+      (vectorized, its threads' ranges split at odd places; and on one thread), in a strided view (element by
+      element), and in short tensors at other offsets (the vector loop's tail), on random arguments of the range
+      it sees;
+    * `block_sums` gives a block the same bits in a chunk of 300 rows (also on one thread), for a row alone, in
+      a sub-batch and in a shuffled chunk (each output reduced by one thread in an order its width fixes).
+
+    Cached per (device, dtype, thread count) by `check_invariant_math`; costs a few milliseconds."""
+    g = torch.Generator().manual_seed(0)
+    n = 3 * 2**15 + 13  # odd: the thread ranges and the vector tails fall at other places
+    for name, (f, (lo, hi)) in INVARIANT_ELEMENTWISE.items():
+        x = (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(device, dtype)
+        whole = f(x)
+        with one_thread(device):
+            if not torch.equal(f(x), whole):
+                return f"torch.{name} rounds differently on one thread than on {torch.get_num_threads()}"
+        if not torch.equal(f(x[1::3]), whole[1::3]):
+            return f"torch.{name} of a strided view rounds differently than of a contiguous tensor"
+        for start in (0, 1, 5, 4099):
+            for length in (1, 2, 3, 5, 7, 9, 15, 17, 31, 33, 65):
+                if not torch.equal(f(x[start : start + length]), whole[start : start + length]):
+                    return f"torch.{name} of {length} values rounds differently than of {n}"
+    t = torch.rand(300, 1000, generator=g, dtype=torch.float64).to(device, dtype)
+    full = block_sums(t, INVARIANT_BLOCK)
+    with one_thread(device):
+        if not torch.equal(block_sums(t, INVARIANT_BLOCK), full):
+            return f"the sums of {INVARIANT_BLOCK}-column blocks round differently on one thread than on several"
+    perm = torch.randperm(300, generator=g).to(device)
+    for rows in (slice(0, 1), slice(137, 138), slice(299, 300), slice(41, 178)):
+        if not torch.equal(block_sums(t[rows], INVARIANT_BLOCK), full[rows]):
+            return f"the sums of {INVARIANT_BLOCK}-column blocks of {rows.stop - rows.start} rows round differently"
+    if not torch.equal(block_sums(t[perm], INVARIANT_BLOCK), full[perm]):
+        return f"the sums of {INVARIANT_BLOCK}-column blocks of shuffled rows round differently"
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _math_verdict(device: torch.device, dtype: torch.dtype, threads: int) -> str | None:
+    return probe_invariant_math(device, dtype)
+
+
+def check_invariant_math(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise RuntimeError if `probe_invariant_math` (at first use per device, dtype and thread count in the
+    process) finds that invariant mode's elementwise math or block sums cannot hold their bits here. CPU only:
+    on CUDA the PyTorch kernels' bits are what docs/invariant.md says a GPU must confirm."""
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    verdict = _math_verdict(device, dtype, torch.get_num_threads())
+    if verdict is not None:
+        raise RuntimeError(f"invariant=True cannot hold on this machine: {verdict}")
 
 
 def local_targets(labels: torch.Tensor, math: ChunkMath) -> tuple[torch.Tensor, torch.Tensor]:
