@@ -15,7 +15,7 @@ SRC = Path(lmloss.__file__).resolve().parent
 NOT_LOSSES = {
     "GatherRows",  # chunks: sequence-parallel gather of hidden rows (backward: reduce-scatter)
     "_GatherCP",  # cp: context-parallel gather
-    "_AllReduceSum",  # rl.aggregation: a differentiable SUM over a group
+    "AllReduceSum",  # sequences: a differentiable SUM over a group (a sequence's sums under CP)
     "_CopyToTP",  # sft.parallel: Megatron's copy-to-tensor-parallel region
     "_ModelOutput",  # bench: stands in for an LM head in the in-place rows
 }

@@ -26,6 +26,7 @@ import torch
 from lmloss._autograd import once_differentiable
 from lmloss.chunks import DiscardSink, InPlaceSink, LogitRows
 from lmloss.kernels import scale_
+from lmloss.objectives import CONSTANT_OUTPUTS
 from lmloss.plan import LossPlan, backward_pass, forward_pass
 
 
@@ -91,8 +92,9 @@ class PerTokenLoss(torch.autograd.Function):
         ctx.save_for_backward(*leaves, *saved.values())
         ctx.set_materialize_grads(False)
         outs = op.objective.returned(results)
-        if "log_kept_mass" in results:
-            ctx.mark_non_differentiable(results["log_kept_mass"])
+        constants = [results[k] for k in CONSTANT_OUTPUTS if k in results]
+        if constants:
+            ctx.mark_non_differentiable(*constants)
         return outs
 
     @staticmethod
