@@ -98,7 +98,7 @@ class PreferenceObjective:
     ``w_t * lp_t``, ``w_t * ref_lp_t`` (a reference head) and the count, summed per sequence, then
     `loss` of their `SequenceStats` in the pairs' halves order."""
 
-    def __init__(self, loss: Callable, weights: torch.Tensor, counting: torch.Tensor, order: torch.Tensor | None,
+    def __init__(self, loss: Callable, weights: torch.Tensor | None, counting: torch.Tensor, order: torch.Tensor | None,
                  ref_logps: torch.Tensor | None, cp: int) -> None:  # fmt: skip
         self.loss, self.weights, self.counting, self.order, self.ref_logps, self.cp = (
             loss, weights, counting, order, ref_logps, cp
@@ -106,8 +106,9 @@ class PreferenceObjective:
 
     def columns(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
         lp = outputs["logprobs"]
-        w = self.weights.to(lp.dtype)
-        cols = [w * lp, self.counting.to(lp.dtype)]
+        count = self.counting.to(lp.dtype)
+        w = count if self.weights is None else self.weights.to(lp.dtype)
+        cols = [w * lp, count]
         if "ref_logprobs" in outputs:
             cols.insert(1, w * outputs["ref_logprobs"])
         return torch.stack(cols, dim=1)
@@ -236,8 +237,8 @@ def linear_preference_loss(
             if ref_logps.requires_grad and torch.is_grad_enabled():
                 raise ValueError("ref_logps requires grad; the reference is a constant: pass ref_logps.detach()")
         flat = counting.reshape(-1)
-        state.update(index=index, count=count, counting=flat, weights=flat.to(torch.float64) if w is None else
-                     torch.where(flat, w, 0.0), ref=ref)  # fmt: skip
+        state.update(index=index, count=count, counting=flat, weights=None if w is None else torch.where(flat, w, 0.0),
+                     ref=ref)  # fmt: skip
         text = ", ".join([
             f"loss={describe_loss(loss)}", f"pairs={pairs}", f"sequences={count}",
             f"reference={'head' if ref_hidden is not None else 'ref_logps' if ref is not None else None}",
