@@ -24,7 +24,6 @@ per-token op: chunk-sized buffers within the budget and O(tokens) vectors, whate
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -99,17 +98,13 @@ class SequenceObjective(Protocol):
 
 
 def sequence_loss(
-    op: Op, leaves: tuple, sequences: Sequences | None, objective: SequenceObjective,
-    reshape: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    op: Op, leaves: tuple, sequences: Sequences | None, objective: SequenceObjective
+) -> tuple[torch.Tensor, object]:
     """Run `op` (a `PerTokenLoss` op: its objective names its returned outputs, `returned_names`) over
-    `leaves`, sum `objective`'s columns per sequence and return its ``(loss, metrics)``; the backward of the
-    loss reaches the leaves through the per-token outputs (module docstring). `reshape`: applied to each
-    per-token output first (the op's leading shape)."""
+    `leaves`, sum `objective`'s columns per sequence and return its value (``(loss, metrics)``); the backward of
+    the loss reaches the leaves through the per-token outputs (module docstring)."""
     outs = PerTokenLoss.apply(op, *leaves)
     outputs = dict(zip(op.objective.returned_names(), outs))
-    if reshape is not None:
-        outputs = {k: reshape(v) for k, v in outputs.items()}
     columns = objective.columns(outputs)
     sums = None
     if columns is not None:
