@@ -5,7 +5,7 @@ The reference is plain PyTorch in float64 on the materialized logits, written he
 completion tokens (``labels != -100``, with the mask and the per-token weights), and DPO's sigmoid loss
 ``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` averaged over pairs (a stand-in for the preference
 module's losses: the op takes any loss of the per-sequence sums). Tensor, sequence and context parallelism are
-in tests/distributed/test_preference_parallel.py.
+in tests/distributed/test_preference_fused_parallel.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from impl_params import IMPLS
 from lmloss.preference import linear_preference_loss
 from tracking_support import LargestAllocation
 
@@ -158,6 +159,23 @@ def test_fp32_loss_and_gradients_are_close_to_float64():
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     for g, w in zip(_grads(loss, p), want_grads):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_both_kernel_implementations_and_the_weight_pass_give_the_reference_gradients(impl):
+    """fp32 on either kernel implementation, with the default budget (the fp32 weight-gradient accumulator)
+    and with a budget below that accumulator (the weight gradient from the weight pass over column blocks)."""
+    p = _problem(h=64, v=300, dtype=torch.float32)
+    want, want_grads, _ = _reference(p, dpo_sigmoid)
+    accumulator_mib = 300 * 64 * 4 / MiB
+    for budget in (None, accumulator_mib / 2):
+        loss = linear_preference_loss(
+            p["hidden"], p["weight"], p["labels"], loss=dpo_sigmoid, ref_hidden=p["ref_hidden"].float(),
+            ref_weight=p["ref_weight"].float(), chunk_size=8, impl=impl, memory_budget_mib=budget,
+        )  # fmt: skip
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+        for g, w in zip(_grads(loss, p), want_grads):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6)
 
 
 class _CountMatmuls(TorchDispatchMode):
