@@ -9,7 +9,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
-from lmloss import cp, distributed, metrics, packing, rl
+from lmloss import cp, distributed, metrics, packing, preference, rl
 from lmloss.agreement import RankAgreementError
 from lmloss.distill import distillation_loss, linear_distillation_loss
 from lmloss.distributed import broadcast_batch, pipeline_stage_keys
@@ -37,6 +37,7 @@ __all__ = [
     "pack",
     "packing",
     "pipeline_stage_keys",
+    "preference",
     "rl",
     "shift_labels",
     "token_entropy",
