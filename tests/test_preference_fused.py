@@ -242,3 +242,18 @@ def test_bad_arguments_name_them():
         linear_preference_loss(h, w, labels, loss="sigmoid")
     with pytest.raises(ValueError, match="0-d tensor"):
         linear_preference_loss(h, w, labels, loss=lambda s: s.logps)
+
+
+def test_without_grad_the_loss_is_the_same_and_a_second_backward_gives_the_same_gradients():
+    p = _problem()
+    kw = dict(loss=dpo_sigmoid, ref_hidden=p["ref_hidden"], ref_weight=p["ref_weight"], chunk_size=5)
+    with torch.no_grad():
+        plain = linear_preference_loss(p["hidden"], p["weight"], p["labels"], **kw)
+    loss = linear_preference_loss(p["hidden"], p["weight"], p["labels"], **kw)
+    torch.testing.assert_close(plain, loss.detach(), rtol=0, atol=0)
+    leaves = [p["hidden"], p["weight"]]
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for a, b in zip(first, second):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
