@@ -632,18 +632,22 @@ def _naive_dpo(x: Inputs) -> torch.Tensor:
     return loss.detach()
 
 
+#: The vocabulary tile TRL 1.16's fused LM head passes (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``; read
+#: here, not imported: ``trl.trainer`` takes ~5x longer to import than ``trl.kernels``).
+TRL_VOCAB_TILE = 32768
+
+
 def _trl_dpo_step() -> tuple[Step | None, str | None]:
     """TRL 1.16's own DPO path: its fused LM head's ``ChunkedLogProbFunction`` (what ``add_fused_lm_head`` runs,
     with the vocabulary tile ``DPOTrainer`` passes) for the policy and, without gradient, the reference; the
     per-sequence sums and the sigmoid loss as its ``_compute_loss`` takes them."""
     try:
         from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as vocab_tile
     except Exception as err:
         return None, f"trl's fused LM head not importable ({type(err).__name__}: {err})"
 
     def logprobs(hidden, weight, labels):
-        return ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, vocab_tile, None, 1.0, ())[0]
+        return ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, TRL_VOCAB_TILE, None, 1.0, ())[0]
 
     def step(x: Inputs) -> torch.Tensor:
         t_hidden, t_weight = _teacher_of(x)
