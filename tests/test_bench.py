@@ -681,3 +681,19 @@ def test_budget_adds_a_row_per_budget_whose_note_gives_what_it_held_against_the_
     assert held == pytest.approx(lean.delta_mib - grads, abs=0.05) and held <= 0.1 + 0.05
     assert rows[1].delta_mib - grads > 2000 * 32 * 4 / 2**20  # the default budget keeps the fp32 accumulator
     assert "fused[auto]@0.1MiB" in format_table(rows)
+
+
+def test_dpo_rows_are_checked_against_naive_and_timed_against_the_four_matmul_floor():
+    """The preference rows: lmloss's fused DPO and TRL's own fused-head path agree with the materialized
+    logits (loss and gradients), their time/floor is against ``dpo-floor``, Liger's rows run or say why not."""
+    config = _config(workloads=["fused"], tokens={"logits": [], "fused": [64]},
+                     impls={"logits": [], "fused": ["naive-dpo", "trl-dpo", "fused-dpo", "liger-dpo", "dpo-floor",
+                                                    "matmul-floor"]})  # fmt: skip
+    by = _by_impl(run_sweep(config, show_progress=False))
+    assert by[("naive-dpo", "-", "-")].check == "ref"
+    for key in (("fused-dpo", "auto", "torch"), ("trl-dpo", "-", "-")):
+        row = by[key]
+        assert row.objective == "dpo" and row.check == "ok", (key, row.status, row.note)
+        assert row.time_vs_floor == pytest.approx(row.time_ms / by[("dpo-floor", "-", "-")].time_ms)
+    liger = by[("liger-dpo", "-", "-")]
+    assert liger.status == "ok" or (liger.status == "skipped" and "liger" in liger.note)

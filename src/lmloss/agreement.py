@@ -96,7 +96,7 @@ _SHOWN = {
     "vocab_start_given": "vocab_start passed (1) or not (0)",
     "vocab_size": "vocab_size (-1: None)",
     "check_ranks": "LMLOSS_CHECK_RANKS (0: set to 0, 1: anything else)",
-    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation, 4: fused policy loss)",
+    "op": "the op (0: from logits, 1: fused linear_*, 2: distillation from logits, 3: fused distillation, 4: fused policy loss, 5: fused preference loss)",
     "outputs": "outputs (bits: 1 logprobs, 2 entropy, 4 loss)",
     "reduction": "reduction (0: mean, 1: sum, 2: none, -1: a per-token op)",
     "dtype": "dtype (0: float16, 1: bfloat16, 2: float32, 3: float64)",

@@ -26,6 +26,7 @@ import torch
 from lmloss._autograd import once_differentiable
 from lmloss.chunks import DiscardSink, InPlaceSink, LogitRows
 from lmloss.kernels import scale_
+from lmloss.objectives import CONSTANT_OUTPUTS
 from lmloss.plan import LossPlan, backward_pass, forward_pass
 
 
@@ -91,9 +92,11 @@ class PerTokenLoss(torch.autograd.Function):
         ctx.save_for_backward(*leaves, *saved.values())
         ctx.set_materialize_grads(False)
         outs = op.objective.returned(results)
-        # the log kept mass and the by-products (`lmloss.objectives.BYPRODUCTS`) have no gradient
+        # the log kept mass, the by-products (`lmloss.objectives.BYPRODUCTS`) and the reference head's
+        # log-probs (`lmloss.objectives.CONSTANT_OUTPUTS`) have no gradient
         returned = getattr(op.plan, "returned", ())
         fixed = [o for k, o in zip(returned, outs) if k == "log_kept_mass" or k in op.plan.byproducts]
+        fixed += [results[k] for k in CONSTANT_OUTPUTS if k in results and all(results[k] is not f for f in fixed)]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
         return outs

@@ -165,6 +165,14 @@ class Reference:
     two-distribution kernels turn into the policy's."""
 
     make_source: Callable[[int, int | None], Callable[..., torch.Tensor]]
+    #: instead of the KL: the reference's log-prob of each label, ``ref_logprobs`` (a sequence objective's
+    #: reference policy: `lmloss.preference`), in the forward only (not differentiated; the backward's passes
+    #: never read the reference)
+    logprobs: bool = False
+
+
+#: Returned outputs that are not differentiable (`lmloss.functions.PerTokenLoss` marks them so).
+CONSTANT_OUTPUTS = ("log_kept_mass", "ref_logprobs")
 
 
 class SoftmaxObjective:
@@ -194,15 +202,21 @@ class SoftmaxObjective:
         if self.upstream is not None:  # each token's term of the upstream's objective (its total is their sum)
             keys = (*keys, "objective")
         if self.reference is not None:
-            keys = (*keys, "kl")
+            keys = (*keys, "ref_logprobs" if self.reference.logprobs else "kl")
         if self.plan.weight_block:  # what the weight pass reads (`weight_pass_inputs`)
             keys = (*keys, "coef", *(("ref_lse", "kl_upstream") if self.reference is not None else ()))
         return keys
 
+    def returned_names(self) -> tuple[str, ...]:
+        """What a per-token op returns: the plan's outputs, then a reference's log-probs (`Reference`)."""
+        with_reference = self.reference is not None and self.reference.logprobs
+        return (*self.plan.returned, "ref_logprobs") if with_reference else self.plan.returned
+
     def returned(self, results: dict) -> tuple[torch.Tensor, ...]:
-        out = tuple(results[k] for k in self.plan.returned)
+        names = self.returned_names()
+        out = tuple(results[k] for k in names)
         if "argmax" in results and self.plan.rows is not None:  # the rows no chunk held are 0: -1 there
-            i = self.plan.returned.index("argmax")
+            i = names.index("argmax")
             out = (*out[:i], torch.where(self.counting, out[i], -1), *out[i + 1 :])
         return out
 
@@ -243,7 +257,7 @@ class SoftmaxObjective:
         reference's source. `tile`: a weight pass's ``(rows, columns)`` per chunk (`lmloss.plan.backward_pass`)."""
         rows = max(1, min(n_rows, self.plan.chunk_size or n_rows)) if tile is None else tile[0]
         state = {"n_rows": n_rows, "rows": rows, "search": None}
-        if self.reference is not None:
+        if self.reference is not None and not self.reference.logprobs:  # (the log-probs': in the forward)
             state["reference"] = self.reference.make_source(rows, None if tile is None else tile[1])
         if self.full_rows is not None:  # the full rows need kernels of their width
             state["full"] = (self.full_rows.make_source(rows), make_kernels(self.plan.impl, rows, self.plan.vocab.size, device))
@@ -252,6 +266,8 @@ class SoftmaxObjective:
     def forward_chunk(self, state: dict, rows: Rows, x: torch.Tensor, kernels, sink, *, overwrite: bool) -> dict:
         plan = self.plan
         labels = None if self.labels is None else rows.take(self.labels)
+        if self.reference is not None and self.reference.logprobs:
+            return self._with_reference_logprobs(state, rows, x, kernels, sink, labels, overwrite)
         if self.reference is not None:
             return self._with_reference(state, rows, x, kernels, sink, labels, overwrite)
         kept = self._thresholds(state, rows, x, kernels)
@@ -299,6 +315,27 @@ class SoftmaxObjective:
             stats["keep_min"] = kept.keep_min
             if plan.sampling.log_kept_mass:
                 stats["log_kept_mass"] = self._counted(rows, stats["lse"] - kept.full_lse)
+        return stats
+
+    def _with_reference_logprobs(self, state, rows, x, kernels, sink, labels, overwrite: bool) -> dict:
+        """A chunk beside the reference's (`Reference.logprobs`): both heads' statistics in one combine (MAX +
+        SUM), the policy's outputs and the reference's log-prob of each label, ``ref_logprobs`` (0 where a
+        label is ignored). Forward only: the per-token op's backward differentiates the policy alone."""
+        if sink is not None:
+            raise ValueError("a reference head's log-probs are computed in a per-token forward (no gradient sink)")
+        plan = self.plan
+        if "reference" not in state:  # made in the forward only: the backward's passes never read it
+            state["reference"] = self.reference.make_source(state["rows"], None)
+        xt = state["reference"](rows)
+        ref_math = dataclasses.replace(plan.math, softcap=0.0)  # its source applied the softcap
+        ref = kernels.softmax_partials(xt, labels, ref_math, entropy=False, target=True, sum_logits=False)
+        partials = kernels.softmax_partials(x, labels, plan.math, **plan.flags, overwrite=overwrite, live=self._live(rows))
+        c = rows.count
+        both = combine_partials(torch.cat([partials, ref.to(partials.dtype)]), plan.tp_group)
+        stats = finish(plan, both[:c], labels, self._counting(rows))
+        ref_max, ref_sum, _, ref_target, _ = both[c:].unbind(1)
+        valid = labels != plan.ignore_index
+        stats["ref_logprobs"] = torch.where(valid, (ref_target - ref_max) - ref_sum.log(), 0.0)
         return stats
 
     def _with_reference(self, state, rows, x, kernels, sink, labels, overwrite: bool = False) -> dict:
@@ -510,7 +547,7 @@ class SoftmaxObjective:
         labels = None if self.labels is None else rows.take(self.labels)
         lse, coef = rows.take(saved["lse"]), rows.take(coef)
         entropy = None if entropy is None else rows.take(entropy)
-        if self.reference is not None:  # the weight pass of the full KL (`_with_reference`'s gradient)
+        if self.reference is not None and not self.reference.logprobs:  # the weight pass of the full KL
             self._reference_grad(state, rows, x, kernels, saved, coef, extra, labels, lse, entropy, math, cols, out)
         else:
             kernels.softmax_grad_(

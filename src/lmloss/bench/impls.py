@@ -19,6 +19,10 @@ Each impl computes one *objective*, and is checked against the naive row of the 
 * ``ppo``: `lmloss.rl.policy_loss` (PPO clip + dual clip + k3 KL + entropy bonus, token-mean) of the
   log-probs at temperature ``TEMPERATURE`` (fused workload; old / reference log-probs and advantages made
   from ``u``, `_ppo_inputs`).
+* ``dpo``: DPO's sigmoid loss (``beta = DPO_BETA``, mean over pairs) of the tokens as ``DPO_PAIRS`` pairs of
+  equal-length sequences (chosen half, then rejected half; every token a completion token), against a
+  reference head derived from the case's tensors (`_teacher_of`); its speed floor is the ``dpo-floor`` row
+  (four matmuls: the policy's three and the reference's one). ``orpo``: Liger's ORPO loss (no naive row).
 """
 
 from __future__ import annotations
@@ -596,6 +600,105 @@ def _distill_floor(x: Inputs) -> None:
     return None
 
 
+#: The ``dpo`` objective: pairs per batch (the tokens split into 2 * DPO_PAIRS equal sequences) and beta.
+DPO_PAIRS = 4
+DPO_BETA = 0.1
+
+
+def _dpo_sequences(t: torch.Tensor) -> torch.Tensor:
+    """``[T, ...]`` tokens -> ``[2 * DPO_PAIRS, T / (2 * DPO_PAIRS), ...]`` sequences (chosen half, rejected half)."""
+    return t.view(2 * DPO_PAIRS, -1, *t.shape[1:])
+
+
+def _dpo_of_sums(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """DPO's sigmoid loss of per-sequence sums ``[2 * DPO_PAIRS]`` (TRL's ``loss_type="sigmoid"``, no smoothing)."""
+    b = DPO_PAIRS
+    margin = (logps[:b] - ref_logps[:b]) - (logps[b:] - ref_logps[b:])
+    return -F.logsigmoid(DPO_BETA * margin).mean()
+
+
+def _dpo_of_stats(stats) -> torch.Tensor:
+    return _dpo_of_sums(stats.logps, stats.ref_logps)
+
+
+def _naive_dpo(x: Inputs) -> torch.Tensor:
+    """Both heads' logits materialized (fp32 log-softmax), the labels' log-probs summed per sequence."""
+    t_hidden, t_weight = _teacher_of(x)
+    lp = F.log_softmax((x.hidden @ x.weight.T).float(), dim=-1).gather(1, x.labels[:, None])[:, 0]
+    with torch.no_grad():
+        ref = F.log_softmax((t_hidden @ t_weight.T).float(), dim=-1).gather(1, x.labels[:, None])[:, 0]
+    loss = _dpo_of_sums(_dpo_sequences(lp).sum(-1), _dpo_sequences(ref).sum(-1))
+    loss.backward()
+    return loss.detach()
+
+
+#: The vocabulary tile TRL 1.16's fused LM head passes (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``; read
+#: here, not imported: ``trl.trainer`` takes ~5x longer to import than ``trl.kernels``).
+TRL_VOCAB_TILE = 32768
+
+
+def _trl_dpo_step() -> tuple[Step | None, str | None]:
+    """TRL 1.16's own DPO path: its fused LM head's ``ChunkedLogProbFunction`` (what ``add_fused_lm_head`` runs,
+    with the vocabulary tile ``DPOTrainer`` passes) for the policy and, without gradient, the reference; the
+    per-sequence sums and the sigmoid loss as its ``_compute_loss`` takes them."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except Exception as err:
+        return None, f"trl's fused LM head not importable ({type(err).__name__}: {err})"
+
+    def logprobs(hidden, weight, labels):
+        return ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, TRL_VOCAB_TILE, None, 1.0, ())[0]
+
+    def step(x: Inputs) -> torch.Tensor:
+        t_hidden, t_weight = _teacher_of(x)
+        lp = logprobs(x.hidden, x.weight, x.labels)
+        with torch.no_grad():
+            ref = logprobs(t_hidden, t_weight, x.labels)
+        loss = _dpo_of_sums(_dpo_sequences(lp).sum(-1), _dpo_sequences(ref).sum(-1))
+        loss.backward()
+        return loss.detach()
+
+    return step, None
+
+
+def _lmloss_fused_dpo(chunk: int | str | None, kwargs: dict) -> Step:
+    def step(x: Inputs) -> torch.Tensor:
+        from lmloss.preference import linear_preference_loss
+
+        t_hidden, t_weight = _teacher_of(x)
+        loss = linear_preference_loss(
+            _dpo_sequences(x.hidden), x.weight, _dpo_sequences(x.labels), loss=_dpo_of_stats,
+            ref_hidden=_dpo_sequences(t_hidden), ref_weight=t_weight, chunk_size=chunk, **kwargs,
+        )  # fmt: skip
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _liger_preference_step(kind: str) -> tuple[Step | None, str | None]:
+    """Liger's fused preference losses (``LigerFusedLinearDPOLoss`` / ``LigerFusedLinearORPOLoss``: chunked by
+    pair, not by token), with the reference head for DPO."""
+    name = {"dpo": "LigerFusedLinearDPOLoss", "orpo": "LigerFusedLinearORPOLoss"}[kind]
+    try:
+        loss_cls = getattr(importlib.import_module("liger_kernel.chunked_loss"), name)
+    except Exception as err:
+        return None, f"liger-kernel not importable ({type(err).__name__}: {err})"
+
+    def step(x: Inputs) -> torch.Tensor:
+        t_hidden, t_weight = _teacher_of(x)
+        h, y = _dpo_sequences(x.hidden), _dpo_sequences(x.labels)
+        if kind == "dpo":
+            out = loss_cls(beta=DPO_BETA)(x.weight, h, y, ref_input=_dpo_sequences(t_hidden), ref_weight=t_weight)
+        else:
+            out = loss_cls(beta=DPO_BETA)(x.weight, h, y)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        return loss.detach()
+
+    return step, None
+
+
 def _matmul_floor(x: Inputs) -> None:
     """The three matmuls any forward+backward of this shape must do: ``h W^T``, ``G W`` and ``G^T h``.
 
@@ -741,7 +844,10 @@ LOGITS_IMPLS = (
 FUSED_IMPLS = (
     "naive", "fused", "fused-lowacc", "naive-rl", "fused-rl", "naive-ppo", "fused-ppo", "two-pass-ppo", "compile",
     "torch-fused", "cce", "liger", "matmul-floor", "naive-distill", "fused-distill", "distill-floor",
+    "naive-dpo", "trl-dpo", "fused-dpo", "liger-dpo", "liger-orpo", "dpo-floor",
 )  # fmt: skip
+#: Speed floors other than ``matmul-floor``: the objective whose rows' ``time/floor`` is against that row.
+FLOORS = {"dpo": "dpo-floor"}
 IMPLS_BY_WORKLOAD = {"logits": LOGITS_IMPLS, "fused": FUSED_IMPLS}
 #: What runs when ``--impl`` is not given: on CPU the sweep of the README's table; on CUDA every row.
 DEFAULT_IMPLS = {
@@ -866,6 +972,17 @@ def build_impls(
             elif name == "fused-distill":
                 lmloss_rows(name, "linear_distillation_loss", _lmloss_distill, "distill")
             elif name == "distill-floor":
+                out.append(Impl(name, "-", _distill_floor, objective="-"))
+            elif name == "naive-dpo":
+                out.append(Impl(name, "-", _naive_dpo, is_reference=True, objective="dpo"))
+            elif name == "trl-dpo":
+                out.append(Impl(name, "-", *_trl_dpo_step(), objective="dpo"))
+            elif name == "fused-dpo":
+                lmloss_rows(name, "preference.linear_preference_loss", _lmloss_fused_dpo, "dpo")
+            elif name in ("liger-dpo", "liger-orpo"):
+                kind = name.removeprefix("liger-")
+                out.append(Impl(name, "-", *_liger_preference_step(kind), objective=kind))
+            elif name == "dpo-floor":  # the policy's three matmuls and the reference's one: `_distill_floor`'s
                 out.append(Impl(name, "-", _distill_floor, objective="-"))
     return out
 

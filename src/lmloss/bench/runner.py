@@ -22,6 +22,7 @@ import torch
 
 import lmloss
 from lmloss.bench.impls import (
+    FLOORS,
     INVARIANT_SUFFIX,
     WORKLOADS,
     Case,
@@ -481,10 +482,11 @@ def _grads_mib(inputs: Inputs) -> float:
 def _add_ratios(rows: list[Result]) -> None:
     """time/naive and mem/naive against the naive row of each row's objective; time/floor; bandwidth."""
     naive = {r.objective: r for r in rows if r.check == "ref" and r.status == "ok"}
-    floor = next((r for r in rows if r.impl == "matmul-floor" and r.status == "ok"), None)
+    floors = {r.impl: r for r in rows if (r.impl == "matmul-floor" or r.impl in FLOORS.values()) and r.status == "ok"}
     for r in rows:
         if r.status != "ok":
             continue
+        floor = floors.get(FLOORS.get(r.objective, "matmul-floor"))
         ref = naive.get(r.objective, naive.get("logprobs" if r.workload == "logits" else "ce"))
         if ref is not None:
             r.time_vs_naive = r.time_ms / ref.time_ms if ref.time_ms else None

@@ -2,9 +2,12 @@
 
 `PreferenceSpec` (`lmloss.preference.spec`) holds a loss's options, validated once; `lmloss.preference.losses`
 turns per-token log-probs into per-sequence sums (`sequence_stats`) and those into the loss and TRL's
-metrics (`preference_loss`). docs/preference.md has the formulas and examples.
+metrics (`preference_loss`); `lmloss.preference.fused.linear_preference_loss` makes the sums from the fused LM
+head (policy and reference heads in one token-chunked pass) and differentiates the loss back to every token.
+docs/preference.md has the formulas and examples.
 """
 
+from lmloss.preference.fused import PAIR_LAYOUTS, linear_preference_loss
 from lmloss.preference.losses import (
     PreferenceOutput,
     SequenceStats,
@@ -17,10 +20,12 @@ from lmloss.preference.losses import (
 from lmloss.preference.spec import PreferenceSpec
 
 __all__ = [
+    "PAIR_LAYOUTS",
     "PreferenceOutput",
     "PreferenceSpec",
     "SequenceStats",
     "kto_kl",
+    "linear_preference_loss",
     "per_token_weights",
     "preference_loss",
     "preference_loss_from_logprobs",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lmloss._validate import check_group
 from lmloss.agreement import agree_over_group
 from lmloss.packing import as_cu_seqlens, check_cu_seqlens
+from lmloss.sequences import sequence_sums
 from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 
 #: verl's ``loss_agg_mode`` names, and lmloss's prompt-group mode.
@@ -181,37 +182,6 @@ def check_horizon(horizon: object) -> float:
 def group_size(group: ProcessGroup | None) -> int:
     """The number of ranks of `group` (1 for None)."""
     return 1 if group is None else dist.get_world_size(group)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """SUM over `group`; the backward sums the gradients over it too (each rank's input feeds every
-    rank's output)."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def sequence_sums(
-    columns: torch.Tensor, seq: torch.Tensor, n_seq: int, cp_group: ProcessGroup | None
-) -> torch.Tensor:
-    """Per-sequence sums ``[n_seq, k]`` of the token columns ``[N, k]`` (`seq`: each token's sequence, from
-    `sequence_index`). Under CP each rank holds part of every sequence: the sums are summed over `cp_group`
-    (a differentiable all-reduce, so a sum's gradient reaches every rank's tokens)."""
-    sums = torch.zeros((n_seq, columns.shape[1]), dtype=columns.dtype, device=columns.device)
-    sums = sums.index_add(0, seq, columns)
-    if group_size(cp_group) > 1:
-        sums = _AllReduceSum.apply(sums, cp_group)
-    return sums
 
 
 def token_weights(

@@ -7,9 +7,12 @@ entropies are known (in the forward), so are ``dL/dlp`` and ``dL/dH`` for its to
 them into the gradient form's coefficients and hands the chunk's d-logits to the head's accumulators while
 the logits are at hand (`lmloss.functions.SummedLoss`): no second pass, no recomputed logits. The
 per-token derivative is taken by autograd of `Objective.per_token` on the chunk's ``[c]`` vectors (the
-same code as `policy_loss`; negligible next to the ``[c, V]`` work). ``loss_mode="gspo"`` (one ratio per
-sequence, not known until every chunk is done) falls back to `lmloss.linear_token_logprobs` +
-`policy_loss` (the backward recomputes the logits).
+same code as `policy_loss`; negligible next to the ``[c, V]`` work). The sequence objectives (gspo, geo_mean,
+vespo: one ratio or weight per sequence, not known until every chunk is done) and the covariance selections
+(clip_cov, kl_cov: batch statistics) are sequence objectives of the same loop (`lmloss.sequences`,
+`PolicySequenceObjective`): the per-token log-probs in one walk, the per-sequence sums (over `cp_group`) and
+the loss (`objective_loss`, `policy_loss`'s evaluation) in autograd, then the backward's walk recomputes the
+logits (4 matmuls per chunk).
 
 Under the sampler's distribution (``top_k`` / ``top_p`` / ``min_p``, or a replayed ``support``) the
 log-probs and entropies are those of the kept set, renormalised, and the gradient stays on the kept set;
@@ -31,21 +34,25 @@ from lmloss.functions import Op, PerTokenLoss, SummedLoss
 from lmloss.fused import prepare
 from lmloss.metrics import StatsTracker
 from lmloss.objectives import DivergenceObjective, DivergenceSpec, Reference, SoftmaxObjective
-from lmloss.rl.aggregation import check_mask, group_size
+from lmloss.rl.aggregation import check_mask, group_size, sequence_index
 from lmloss.rl.objectives import (
+    SELECTION_MODES,
+    SEQUENCE_MODES,
     Objective,
     PerToken,
     agree_over_cp,
     check_kl_arguments,
     check_sequences,
     check_weights_or_mode,
+    covariance_selection,
+    objective_loss,
     policy_agreement_fields,
-    policy_loss,
     record_metrics,
     token_weights_of,
 )
 from lmloss.rows import Rows
 from lmloss.sampling import make_sampling, report_dropped
+from lmloss.sequences import Sequences, sequence_loss
 from lmloss.vocab_parallel import ProcessGroup
 
 __all__ = ["linear_policy_loss"]
@@ -126,6 +133,52 @@ class PolicyUpstream:
     def extra_outputs(self, results: dict) -> tuple[torch.Tensor, ...]:
         """The per-token log-probs, entropies and full KL the loop computed, for the metrics."""
         return tuple(results[k] for k in ("logprobs", "entropy", "kl") if k in results)
+
+
+class PolicySequenceObjective:
+    """A sequence or selection objective (gspo, geo_mean, vespo; clip_cov, kl_cov) of the loop's per-token
+    log-probs (and entropies): `lmloss.sequences.SequenceObjective`. Its columns are
+    `Objective.sequence_columns`, summed per sequence (over `cp_group`); its value `objective_loss` with
+    each token's sequence's sums, or the covariance selection. Under a sampler's truncation (`labels` given)
+    a token whose label lies outside the kept set leaves the objective (warned), its weight kept in the
+    denominators the caller's mask fixed."""
+
+    def __init__(self, objective: Objective, x: PerToken, sequences: Sequences | None, *, kl, labels, ignore_index,
+                 counted_by: str, selection: dict, tracker) -> None:  # fmt: skip
+        self.objective, self.x, self.sequences, self.kl, self.labels = objective, x, sequences, kl, labels
+        self.ignore_index, self.counted_by, self.selection, self.tracker = ignore_index, counted_by, selection, tracker
+        self._masked = None
+
+    def _inputs(self, outputs: dict) -> tuple[PerToken, torch.Tensor]:
+        """The inputs masked where the objective reads them, and the log-probs (once per forward: the warning)."""
+        lp, x = outputs["logprobs"], self.x
+        if self._masked is not None and self._masked[0] is lp:
+            return self._masked[1]
+        mask = x.mask
+        if self.labels is not None:  # a truncated distribution: -inf outside the kept set
+            report_dropped(lp, self.labels, self.ignore_index, counting=mask, counted_by=self.counted_by)
+            mask = mask & ~torch.isneginf(lp)
+        self._masked = (lp, (x.masked_to(mask, outputs.get("entropy")), torch.where(mask, lp, 0.0)))
+        return self._masked[1]
+
+    def columns(self, outputs: dict) -> torch.Tensor | None:
+        x, lp = self._inputs(outputs)
+        if self.sequences is None:
+            return None
+        return self.objective.sequence_columns(lp, x.old_logprobs, x.advantages, x.mask, x.rollout_is_weights)
+
+    def value(self, outputs: dict, sums: torch.Tensor | None):
+        x, lp = self._inputs(outputs)
+        selected = x.cov_selection
+        if self.objective.loss_mode in SELECTION_MODES and selected is None:
+            selected = covariance_selection(  # the caller's mask (its dtype: verl's 1e-8 in the means' count)
+                lp.detach(), x.old_logprobs, x.advantages, x.mask.to(x.mask_dtype), loss_mode=self.objective.loss_mode,
+                **self.selection,
+            )  # fmt: skip
+        seq_sums = None if sums is None else self.sequences.of_tokens(sums)
+        kl = None if self.kl is None else torch.where(x.mask, self.kl, 0.0)
+        return objective_loss(self.objective, x, lp, x.token_weights, seq_sums=seq_sums, selected=selected, kl=kl,
+                              tracker=self.tracker)  # fmt: skip
 
 
 def linear_policy_loss(
@@ -236,7 +289,8 @@ def linear_policy_loss(
         ``(loss, metrics)`` as `policy_loss`'s, the same on every TP rank. For the token-separable loss modes
         the gradients are computed in the forward (3 matmuls; the backward only scales them); the sequence
         objectives (gspo, geo_mean, vespo) and the covariance selections (clip_cov, kl_cov) need every
-        token's log-prob first: `linear_token_logprobs`' two passes, then `policy_loss`.
+        token's log-prob first: a sequence objective of the loop (`lmloss.sequences`: 4 matmuls, the
+        backward recomputing the logits; with ``kl_loss_type="full"`` the KL's own per-token walk besides).
     """
     with_entropy = entropy_coeff != 0.0
     state: dict = {}
@@ -279,6 +333,9 @@ def linear_policy_loss(
         # collectives): the boundaries and each token's sequence are agreed with the other per-token tensors
         ids, cu = check_sequences(expected, hidden.device, cu_seqlens, sequence_ids, loss_mode)
         _validate.check_ignore_index(ignore_index)  # compared with the int64 labels before the plan checks it
+        if objective.loss_mode in SEQUENCE_MODES:  # each token's sequence (`lmloss.sequences`)
+            state["seq"], state["n_seq"] = sequence_index(expected, hidden.device, cu_seqlens=cu_seqlens,
+                                                          sequence_ids=sequence_ids, need=f"loss_mode={loss_mode!r}")  # fmt: skip
         counting = labels.reshape(expected) != ignore_index
         if mask is not None:
             counting = counting & check_mask(mask, expected)
@@ -289,7 +346,7 @@ def linear_policy_loss(
         if x.token_weights is None:
             x.token_weights = token_weights_of(x.mask.view(expected), loss_agg_mode, cu_seqlens, horizon,
                                                x.advantages.dtype, x.mask_dtype).reshape(-1)  # fmt: skip
-        state.update(objective=objective, x=x, mask=counting)
+        state.update(objective=objective, x=x)
         n = math.prod(expected)
         out = {
             "counting": counting.reshape(-1),
@@ -334,12 +391,14 @@ def linear_policy_loss(
         ):
             agree_over_cp(cp_group, {}, "", error=error, like=hidden)
         raise
-    objective, x, mask = state["objective"], state["x"], state["mask"]
-    if objective.token_separable and group_size(cp_group) > 1:  # (a sequence objective's policy_loss agrees)
+    objective, x = state["objective"], state["x"]
+    n_seq = state.get("n_seq", 0)
+    if group_size(cp_group) > 1:  # before a sequence objective's all-reduce of its sums: every CP rank alike
         given = (ref_logprobs, True if with_entropy else None, rollout_is_weights, token_weights, pg_mask,
                  cov_selection, ref_hidden, cu_seqlens, sequence_ids)  # as policy_loss's (the same text and bits)
-        agree_over_cp(cp_group, *policy_agreement_fields(objective, loss_agg_mode, horizon, hidden.dtype, 0, given),
-                      like=hidden)  # fmt: skip
+        n_seq = agree_over_cp(
+            cp_group, *policy_agreement_fields(objective, loss_agg_mode, horizon, hidden.dtype, n_seq, given), like=hidden
+        )  # fmt: skip
     truncated = p.plan.sampling is not None or support is not None
     reference = None
     if ref_hidden is not None:  # the policy's head transform: its softcap (and temperature, in the kernels)
@@ -355,29 +414,23 @@ def linear_policy_loss(
             return Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels, **kw))
         return replay.op_over_slots(p.plan, p.head, (p.flat, weight, bias), p.labels, state["support"], False, **kw)
 
-    if not objective.token_separable:  # sequences, selections: every token's log-prob first; two passes
-        outs = PerTokenLoss.apply(op_with(), p.flat, weight, bias)
-        lp = outs[0].view(p.shape)
-        ent = outs[1].view(p.shape) if with_entropy else None
+    if not objective.token_separable:  # sequences, selections: a sequence objective of the loop's per-token outputs
         kl = None
         if reference is not None:  # the per-token full KL, in the same plan (reverse KL from the policy)
             divergence = DivergenceObjective(p.plan, DivergenceSpec(beta=1.0), reference.make_source, p.labels)
             (kl,) = PerTokenLoss.apply(Op(p.plan, p.head, divergence), p.flat, weight, bias)
-            kl = kl.view(p.shape)
-        aggregation = dict(loss_agg_mode=loss_agg_mode, token_weights=token_weights)
-        if truncated:
-            report_dropped(lp, p.labels.view(p.shape), ignore_index, counting=mask, counted_by=counted_by)
-            mask = mask & ~torch.isneginf(lp)
-            lp = torch.where(mask, lp, 0.0)
-            # left out of the objective, still in the denominators: the weights of the caller's mask
-            aggregation = dict(loss_agg_mode="token-mean", token_weights=x.token_weights.view(p.shape))
-        return policy_loss(  # the mask in the caller's dtype (verl's 1e-8 in a count follows it)
-            lp, old_logprobs, advantages, mask.to(x.mask_dtype), loss_mode=loss_mode, clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, **aggregation, cu_seqlens=cu_seqlens, sequence_ids=sequence_ids, cp_group=cp_group,
-            horizon=horizon, ref_logprobs=ref_logprobs, kl_loss_type=kl_loss_type, kl_loss_coef=kl_loss_coef,
-            entropy=ent, entropy_coeff=entropy_coeff, rollout_is_weights=rollout_is_weights, tracker=tracker,
-            pg_mask=pg_mask, cov_selection=cov_selection, generator=generator, kl=kl, **extra,
+        sequences = None
+        if objective.loss_mode in SEQUENCE_MODES:
+            sequences = Sequences(state["seq"], n_seq, cp_group if group_size(cp_group) > 1 else None)
+        policy = PolicySequenceObjective(
+            objective, x, sequences, kl=kl, labels=p.labels if truncated else None, ignore_index=ignore_index,
+            counted_by=counted_by,
+            selection=dict(clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                           clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub,
+                           kl_cov_ratio=kl_cov_ratio, generator=generator),
+            tracker=tracker,
         )  # fmt: skip
+        return sequence_loss(op_with(), (p.flat, weight, bias), sequences, policy)
     upstream = PolicyUpstream(objective, x)
     outs = SummedLoss.apply(
         op_with(upstream=upstream, reference=reference), torch.is_grad_enabled(), None, p.flat, weight, bias

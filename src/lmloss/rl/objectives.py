@@ -20,6 +20,7 @@ reach the loss or the gradient: a masked token gets exactly 0 gradient.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -81,6 +82,7 @@ __all__ = [
     "covariance_selection",
     "high_entropy_mask",
     "kl_estimate",
+    "objective_loss",
     "off_policy_sequence_mask",
     "policy_loss",
 ]
@@ -535,6 +537,17 @@ class PerToken:
             if cov_selection is None
             else check_mask(cov_selection, shape, name="cov_selection").reshape(-1)
         )
+
+    def masked_to(self, mask: torch.Tensor, entropy: torch.Tensor | None = None) -> PerToken:
+        """These inputs with the tokens outside `mask` (bool ``[N]``, within `self.mask`) also masked (their
+        values 0), and `entropy` (``[N]`` or None) masked alike: a fused objective's tokens whose label lies
+        outside the sampler's kept set leave the objective (`lmloss.rl.linear_policy_loss`)."""
+        out = copy.copy(self)
+        out.mask = mask
+        for k in ("old_logprobs", "advantages", "ref_logprobs", "rollout_is_weights", "token_weights"):
+            setattr(out, k, _masked(mask, getattr(self, k)))
+        out.entropy = _masked(mask, entropy)
+        return out
 
 
 # ----------------------------------------------------------------------------------- batch statistics
@@ -1010,13 +1023,25 @@ def policy_loss(
         )  # fmt: skip
     if kl is not None:
         kl = _masked(x.mask, kl.reshape(-1))
+    return objective_loss(objective, x, lp, w, seq_sums=seq_sums, selected=selected, kl=kl, tracker=tracker)
+
+
+def objective_loss(
+    objective: Objective, x: PerToken, logprobs: torch.Tensor, weights: torch.Tensor, *,
+    seq_sums: torch.Tensor | None = None, selected: torch.Tensor | None = None, kl: torch.Tensor | None = None,
+    tracker: StatsTracker | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """``(sum_t w_t L_t, metrics)`` of checked inputs (`x`, masked; its entropy the one the loss reads) and
+    the masked log-probs ``[N]``: the one evaluation of `policy_loss` and of `lmloss.rl.linear_policy_loss`'s
+    sequence and selection objectives. `seq_sums`: each token's sequence's sums of `Objective.sequence_columns`
+    (a sequence objective); `selected`: the covariance selection; `kl`: the per-token full KL, masked."""
     per_tok, parts = objective.per_token(
-        lp, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,
+        logprobs, x.old_logprobs, x.advantages, x.mask, ref_logprobs=x.ref_logprobs, entropy=x.entropy,
         rollout_is_weights=x.rollout_is_weights, pg_mask=x.pg_mask, seq_sums=seq_sums, selected=selected, kl=kl,
         mask_dtype=x.mask_dtype,
     )  # fmt: skip
-    loss = (w * per_tok).sum()
-    return loss, record_metrics(parts, x.mask, w.detach(), x.entropy, tracker)
+    loss = (weights * per_tok).sum()
+    return loss, record_metrics(parts, x.mask, weights.detach(), x.entropy, tracker)
 
 
 def token_weights_of(mask, loss_agg_mode, cu_seqlens, horizon, dtype, mask_dtype) -> torch.Tensor:
