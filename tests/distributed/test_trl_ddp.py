@@ -29,6 +29,7 @@ datasets = pytest.importorskip("datasets")
 from dist_utils import run_ranks  # noqa: E402
 
 import preference_support as S  # noqa: E402
+from lmloss.integrations import hf as lmloss_hf  # noqa: E402
 from lmloss.integrations import trl as lmloss_trl  # noqa: E402
 from test_integrations_trl import VOCAB, reward, tiny_llama, tokenizer  # noqa: E402
 
@@ -92,24 +93,24 @@ def _rank(rank: int, world: int, model_dir: str, out_dir: str):
     # a forked rank inherits the test process's one-process accelerate state: start from none
     AcceleratorState._reset_state(True)
     PartialState._reset_state()
-    shipped, wrapped = lmloss_trl.run_as_forward, []
+    shipped, wrapped = lmloss_hf.run_as_forward, []
 
     def counted(model, inner, compute, *a, **k):  # the fused head ran; with gradients, on the wrapped model
         wrapped.append((torch.is_grad_enabled(), model is not inner))
         return shipped(model, inner, compute, *a, **k)
 
-    lmloss_trl.run_as_forward = counted
+    lmloss_hf.run_as_forward = counted
     try:
         out = {"patched": _train(model_dir, out_dir, "patched"), "wrapped_calls": wrapped[:]}
         for kind in ("dpo", "kto"):
             wrapped.clear()
             out[f"{kind}-patched"] = _train_preference(out_dir, kind, "patched")
             out[f"{kind}-wrapped_calls"] = wrapped[:]
-        lmloss_trl.run_as_forward = lambda model, inner, compute, *a, **k: compute(inner, *a, **k)
+        lmloss_hf.run_as_forward = lambda model, inner, compute, *a, **k: compute(inner, *a, **k)
         out["bypassed"] = _train(model_dir, out_dir, "bypassed")
         out["dpo-bypassed"] = _train_preference(out_dir, "dpo", "bypassed")
     finally:
-        lmloss_trl.run_as_forward = shipped
+        lmloss_hf.run_as_forward = shipped
     return out
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import lmloss
 from lmloss.chunks import check_memory_budget
 
-__all__ = ["HeadTransform", "head_transform", "is_patched", "patch", "token_logprobs", "unpatch"]
+__all__ = ["HeadTransform", "head_transform", "is_patched", "patch", "run_as_forward", "token_logprobs", "unpatch"]
 
 _STATE_ATTR = "_lmloss_hf_patch"
 # Keyword arguments that belong to the loss (transformers' ForCausalLMLoss), not to the decoder body.
@@ -231,7 +231,7 @@ def call_through(
     frees them after, and registers its backward hooks on the output), which calling `fn` directly would
     skip. The module's own forward is restored afterwards, also when `fn` raises. `caller`: a wrapper whose
     forward calls `module` (DDP): ``caller(*args, **kwargs)`` is called instead, so that its forward runs
-    around `fn` too (`lmloss.integrations.trl.run_as_forward`).
+    around `fn` too (`run_as_forward`).
     """
     had_instance_forward = "forward" in module.__dict__
     saved = module.__dict__.get("forward")
@@ -243,6 +243,25 @@ def call_through(
             module.forward = saved
         else:
             del module.forward
+
+
+def run_as_forward(model: torch.nn.Module, inner: torch.nn.Module, compute, *args: Any, **kwargs: Any) -> Any:
+    """``compute(inner, *args, **kwargs)``, run as `model`'s forward when `model` wraps `inner`.
+
+    `model`: what the trainer holds (a ``DistributedDataParallel`` under multi-process DDP, or `inner` itself);
+    `inner`: the unwrapped model (``accelerator.unwrap_model(model)``). Where they differ, `inner`'s forward is
+    replaced by `compute` for one call of ``model(*args, **kwargs)``, so that the wrapper's own forward runs
+    around it: DDP's arms the gradient all-reduce of the backward that follows (a computation that bypassed
+    it would leave every rank with its own gradients, TRL #7245) and syncs the buffers. `inner`'s own forward
+    (a class method, or an instance attribute such as accelerate's autocast wrapper) is restored after the
+    call, whatever it raised (`call_through`). Where `model` is `inner` (one process,
+    FSDP2), `compute` is called directly.
+    The tensors `compute` returns are what the call returns (DDP passes a tuple of tensors through as it
+    is). For the trainers' patched methods (`lmloss.integrations.trl`'s and `trl_preference`'s, and any
+    other that runs a fused head on a trainer's model)."""
+    if model is inner:
+        return compute(inner, *args, **kwargs)
+    return call_through(inner, compute, *args, caller=model, **kwargs)
 
 
 def _keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ Models whose head `lmloss.integrations.hf.head_transform` cannot reproduce raise
 
 **Under DDP** (``accelerate launch`` on several processes wraps the model in
 ``torch.nn.parallel.DistributedDataParallel``) the fused computation runs *as the wrapper's forward*
-(`run_as_forward`): DDP's forward is what arms its gradient hooks for the backward (its reducer's
+(`lmloss.integrations.hf.run_as_forward`): DDP's forward is what arms its gradient hooks for the backward (its reducer's
 ``prepare_for_backward``) and broadcasts its buffers; a computation that calls the inner model's modules
 directly, as Liger's fused DPO / KTO path did (TRL #7245), gets no gradient all-reduce, and every rank's
 parameters drift apart from the first step. FSDP2 does not wrap (it shards the modules in place): there the
@@ -48,29 +48,10 @@ from lmloss import _validate
 from lmloss.chunks import check_memory_budget
 from lmloss.integrations import hf, trl_preference
 
-__all__ = ["generation_truncation", "is_patched", "patch", "run_as_forward", "unpatch"]
+__all__ = ["generation_truncation", "is_patched", "patch", "unpatch"]
 
 _METHOD = "_get_per_token_logps_and_entropies"
 _STATE_ATTR = "_lmloss_trl_patch"
-
-
-def run_as_forward(model: torch.nn.Module, inner: torch.nn.Module, compute, *args: Any, **kwargs: Any) -> Any:
-    """``compute(inner, *args, **kwargs)``, run as `model`'s forward when `model` wraps `inner`.
-
-    `model`: what the trainer holds (a ``DistributedDataParallel`` under multi-process DDP, or `inner` itself);
-    `inner`: the unwrapped model (``accelerator.unwrap_model(model)``). Where they differ, `inner`'s forward is
-    replaced by `compute` for one call of ``model(*args, **kwargs)``, so that the wrapper's own forward runs
-    around it: DDP's arms the gradient all-reduce of the backward that follows (a computation that bypassed
-    it would leave every rank with its own gradients, TRL #7245) and syncs the buffers. `inner`'s own forward
-    (a class method, or an instance attribute such as accelerate's autocast wrapper) is restored after the
-    call, whatever it raised (`lmloss.integrations.hf.call_through`). Where `model` is `inner` (one process,
-    FSDP2), `compute` is called directly.
-    The tensors `compute` returns are what the call returns (DDP passes a tuple of tensors through as it
-    is). For the trainers' patched methods (this module's, and any other that runs a fused head on a
-    trainer's model)."""
-    if model is inner:
-        return compute(inner, *args, **kwargs)
-    return hf.call_through(inner, compute, *args, caller=model, **kwargs)
 
 
 def _fused_per_token_logps_and_entropies(
@@ -118,7 +99,7 @@ def _fused_per_token_logps_and_entropies(
         # score only the completion's tokens that are not padding, as TRL does
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        out = run_as_forward(model, inner, score, ids, labels, mask)  # through DDP's forward where it wraps
+        out = hf.run_as_forward(model, inner, score, ids, labels, mask)  # through DDP's forward where it wraps
         logps, entropy = out if compute_entropy else (out, None)
         if truncated:
             logps = _full_where_dropped(self, model, inner, ids, mask, labels, logps, options)
@@ -160,7 +141,7 @@ def _full_where_dropped(self, model, inner, ids, mask, labels, logps, options) -
                 body, ids, labels, attention_mask=mask, temperature=self.temperature, **full_options
             )  # fmt: skip
 
-    full = run_as_forward(model, inner, score, ids[rows], again, mask[rows])  # with gradients: through DDP too
+    full = hf.run_as_forward(model, inner, score, ids[rows], again, mask[rows])  # with gradients: through DDP too
     return logps.index_put((rows,), torch.where(dropped[rows], full, logps[rows]))
 
 

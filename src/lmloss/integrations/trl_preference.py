@@ -14,7 +14,7 @@ instance, the one method that computes the loss and its logged metrics (``_compu
   scored through one appended padding token); the reference model's log-probs alike, without gradient (or
   TRL's precomputed ``ref_*_logps`` columns);
 * runs that head as the model's forward where a ``DistributedDataParallel`` wraps the model
-  (`lmloss.integrations.trl.run_as_forward`): DDP's forward arms the backward's gradient all-reduce, which a
+  (`lmloss.integrations.hf.run_as_forward`): DDP's forward arms the backward's gradient all-reduce, which a
   head calling the inner model directly skips (Liger's fused DPO / KTO path, TRL #7245);
 * translates the trainer's options into a `lmloss.preference.PreferenceSpec` (`preference_spec`), forms the
   per-sequence sums (`lmloss.preference.sequence_stats`) and computes the loss and the metrics with
@@ -105,9 +105,8 @@ def _score(self, model, input_ids, labels, attention_mask, *, outputs=(), **mode
     its size, ``weight.shape[0]`` as TRL's kernel divides), ``is_top1`` (bool: the label is the argmax, the
     first maximum as ``torch.argmax``), ``log_sum_sq_probs`` (WPO's ``log Σ p²``).
 
-    Runs as `model`'s forward where `model` wraps (DDP: `lmloss.integrations.trl.run_as_forward`), so that the
+    Runs as `model`'s forward where `model` wraps (DDP: `lmloss.integrations.hf.run_as_forward`), so that the
     backward's gradient all-reduce is armed; `model` itself otherwise."""
-    from lmloss.integrations import trl as trl_integration  # here: that module imports this one
 
     inner = self.accelerator.unwrap_model(model)
     options = getattr(self, _STATE_ATTR)["options"]
@@ -117,7 +116,7 @@ def _score(self, model, input_ids, labels, attention_mask, *, outputs=(), **mode
         with self.accelerator.autocast():
             return hf.token_logprobs(body, ids, scored, attention_mask=mask, **flags, **options, **kwargs)
 
-    out = trl_integration.run_as_forward(model, inner, compute, input_ids, labels, attention_mask, **model_kwargs)
+    out = hf.run_as_forward(model, inner, compute, input_ids, labels, attention_mask, **model_kwargs)
     out = out if isinstance(out, tuple) else (out,)
     rest = iter(o[:, 1:] for o in out[1:])
     extra = {name: next(rest) for name in _BY_PRODUCTS if name in outputs}
