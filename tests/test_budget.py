@@ -237,6 +237,17 @@ def test_every_weight_pass_tile_and_token_chunk_fits_the_budget(budget):
             assert s.chunk_rows * row + tile <= budget * MiB, (n, s)
 
 
+def test_under_a_mib_the_block_accumulator_takes_half_the_budget_and_the_tokens_the_rest():
+    """A tight budget splits between the weight pass's fp32 block accumulator (its columns) and the tokens of a
+    tile: half each, not the whole budget for the block (which left 1-token tiles)."""
+    kw = dict(KW, local_vocab=4000)
+    for budget in (0.35, 0.6, 0.9):
+        s = fused_schedule(n_rows=4096, budget_mib=budget, bytes_per_logit=10, accumulator_bytes=4000 * 256 * 4, **kw)
+        assert s.weight_block and s.weight_block_rows < 4096
+        assert s.weight_block * 256 * 4 <= budget * MiB / 2 < (s.weight_block + 128) * 256 * 4 + 1, s
+        assert _tile(s, 4096, 10) <= budget * MiB and s.weight_block_rows >= 64
+
+
 def test_the_weight_pass_takes_only_the_columns_the_accumulator_cannot_hold():
     """A price in proportion: between the accumulator's budget and the weight pass's, the first columns keep
     their fp32 accumulator beside chunks of 64 tokens, as many as fit, and only the others take the weight pass."""

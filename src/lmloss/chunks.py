@@ -168,7 +168,7 @@ def fused_schedule(
     *, n_rows: int, local_vocab: int, hidden_width: int, device: torch.device | str, budget_mib: float,
     bytes_per_logit: float, gather_bytes_per_row: float, accumulator_bytes: float, fixed_bytes: float,
     chunk_size: int | None | str, weight_tile_bytes: float = 0, bytes_per_row: float = 0, weight_pass: bool = True,
-    min_rows: int = MIN_CHUNK_ROWS,
+    min_rows: int = MIN_CHUNK_ROWS, block_bytes_per_logit: float | None = None, block_bytes_per_row: float = 0,
 ) -> FusedSchedule:  # fmt: skip
     """The fused head's schedule (`FusedSchedule`) for `n_rows` counting tokens and a `local_vocab` x
     `hidden_width` head within `budget_mib`, from agreed values only (every TP rank finds the same).
@@ -183,6 +183,8 @@ def fused_schedule(
     pass's chunk (the budget then decides only the weight gradient's schedule); None: one chunk; ``"auto"``:
     the budget. `weight_pass` False: the accumulator is the only way (a replayed support's scatter).
     `min_rows`: the fewest tokens per chunk (`MIN_CHUNK_ROWS`, an invariant GEMM tile's rows).
+    `block_bytes_per_logit` (default `bytes_per_logit`) and `block_bytes_per_row` (more per token): a weight-pass
+    tile's, whose d-logits are recomputed as a per-token backward's are (a summed loss's forward holds less).
 
     Where the accumulator does not fit beside chunks of `MIN_ACCUMULATE_ROWS`, the columns it does fit for
     keep it (`FusedSchedule.weight_start`) and only the others take the weight pass: the cost grows with
@@ -201,10 +203,12 @@ def fused_schedule(
     def rows_in(space):  # `_rows_in` of the token pass, at most `cap`
         return min(_rows_in(space, row_bytes, n_rows), cap)
     block_acc = 4 * hidden_width  # the fp32 block accumulator's bytes per column, when a block takes chunks
+    block_logit = bytes_per_logit if block_bytes_per_logit is None else block_bytes_per_logit
+    block_row = gather_bytes_per_row + block_bytes_per_row
 
     def tile_bytes(rows, cols):  # a weight-pass tile: its logits, gathered rows and block accumulator
         acc = cols * block_acc if rows < n else min(weight_tile_bytes, cols * block_acc)
-        return rows * (cols * bytes_per_logit + gather_bytes_per_row) + acc
+        return rows * (cols * block_logit + block_row) + acc
 
     def fit(rows):  # chunks of whole `min_rows` (an invariant GEMM tile's rows) where it is more than the floor
         return rows if min_rows <= MIN_CHUNK_ROWS or rows >= n else max(floor_rows, rows - rows % min_rows)
@@ -251,14 +255,14 @@ def fused_schedule(
     floor_cols = min(rest, MIN_FLOOR_COLUMNS)
     if tile_bytes(n, narrow) <= budget:
         rows = n
-        cols = (budget - rows * gather_bytes_per_row - weight_tile_bytes) // max(rows * bytes_per_logit, 1)
+        cols = (budget - rows * block_row - weight_tile_bytes) // max(rows * block_logit, 1)
         cols = int(min(rest, max(narrow, cols - cols % 128)))
     else:  # a block accumulator and some tokens: half the budget for each (a tiny budget: narrower blocks)
         cols = max(floor_cols, min(narrow, int(budget / 2 // block_acc)))
-        rows = _rows_in(budget - cols * block_acc, cols * bytes_per_logit + gather_bytes_per_row, n_rows)
+        rows = _rows_in(budget - cols * block_acc, cols * block_logit + block_row, n_rows)
         if rows < floor_rows:  # the half left too few tokens: fewer columns beside `floor_rows` of them
             rows = floor_rows
-            cols = int(max(budget - rows * gather_bytes_per_row, 0) // (rows * bytes_per_logit + block_acc))
+            cols = int(max(budget - rows * block_row, 0) // (rows * block_logit + block_acc))
             cols = max(floor_cols, min(narrow, cols - cols % 128 if cols >= 128 else cols))
     return FusedSchedule(chunk, max(cols, 1), rows, start)
 

@@ -217,6 +217,10 @@ def _schedule(
         bytes_per_logit=per_logit + search[0], gather_bytes_per_row=h_width * item if gathered else 0,
         accumulator_bytes=accumulator, fixed_bytes=fixed, chunk_size=chunk_size, weight_tile_bytes=tile,
         bytes_per_row=search[1], weight_pass=weight_pass,
+        # a weight-pass tile recomputes its d-logits as a per-token backward does (at least the default's buffers,
+        # a kept set's mask), and upcasts the low-precision hidden rows of each chunk for the fp32 GEMM
+        block_bytes_per_logit=max(per_logit, TORCH_BYTES_PER_LOGIT + (item if low_precision else 0))
+        + (4 if search[0] else 0), block_bytes_per_row=h_width * 4 if fp32_acc else 0,
         min_rows=invariant_gemm_tile(weight.device)[0] if invariant else MIN_CHUNK_ROWS,
     )  # fmt: skip
 

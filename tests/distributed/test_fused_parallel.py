@@ -159,15 +159,17 @@ def _run_config(name, sp, group, counter):
         "other_groups": len(fwd) + len(bwd) - len(tagged(fwd)) - len(tagged(bwd)),
     }
 
-    # bf16, within a budget below even this tiny head's fp32 weight-gradient accumulator (the weight pass)
+    # bf16, within a budget below even this tiny head's fp32 weight-gradient accumulator (the weight pass;
+    # chunks of CHUNK tokens, which the budget then does not size: "auto" refuses a budget below chunks of 8)
     # and within the default one (the accumulator): the same gradients, the same collectives
     for budget in (LEAN_BUDGET_MIB, None):
         h, w, b = (t.bfloat16().requires_grad_() for t in (h_local, w_local, b_local))
         counter.take()
+        chunk = CHUNK if budget else "auto"
         logp, ent = lmloss.linear_token_logprobs(h, w, labels, bias=b, return_entropy=True, memory_budget_mib=budget,
-                                                 **{**kw, "chunk_size": "auto"})  # fmt: skip
+                                                 **{**kw, "chunk_size": chunk})  # fmt: skip
         ((logp * adv).sum() + (ent * ent_w).sum()).backward()
-        loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, memory_budget_mib=budget, **{**kw, "chunk_size": "auto"})
+        loss = lmloss.linear_cross_entropy(h, w, labels, bias=b, memory_budget_mib=budget, **{**kw, "chunk_size": chunk})
         loss.backward()
         out[("bf16", budget)] = {"grads": (h.grad, w.grad, b.grad), "calls": tagged(counter.take())}
     return out

@@ -731,10 +731,10 @@ def _positive(rank: int, group) -> dict:
         kw = dict(kw, tp_group=group)
         if split[0] != split[1]:
             kw["vocab_start"] = s
-        # a chunk budget so small that each rank's own shard would give it another "auto" chunk (1 row
-        # for 20 columns, 2 for 12): the ranks must size it from a width they agree on
+        # a chunk budget just above the floor of the agreed width (4 counting rows of 20 columns: 768 bytes,
+        # issue #41 refuses less): the ranks size it (and its floor) from a width they agree on
         before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
-        os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(200 / 2**20)
+        os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(800 / 2**20)
         try:
             out[name, "fused"] = _fused_outputs(g, s, e, kw)
         finally:
