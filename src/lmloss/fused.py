@@ -221,6 +221,7 @@ def _schedule(
         # a kept set's mask), and upcasts the low-precision hidden rows of each chunk for the fp32 GEMM
         block_bytes_per_logit=max(per_logit, TORCH_BYTES_PER_LOGIT + (item if low_precision else 0))
         + (4 if search[0] else 0), block_bytes_per_row=h_width * 4 if fp32_acc else 0,
+        weight_in_place=wants_weight and not accumulator and weight_pass and weight.dtype == weight_grad_dtype,
         min_rows=invariant_gemm_tile(weight.device)[0] if invariant else MIN_CHUNK_ROWS,
     )  # fmt: skip
 
@@ -265,9 +266,11 @@ def linear_token_logprobs(
         memory_budget_mib: what the op may hold beyond its inputs, their gradients and O(tokens) vectors
             (MiB), the weight-gradient accumulator included; None: ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB
             on CPU and 4 GiB on CUDA (`lmloss.chunks.chunk_budget_mib`). Where an fp32 ``[V_local, H]``
-            accumulator does not fit beside chunks of a useful size, the weight gradient is made by a
-            weight pass over blocks of columns (one more matmul; `lmloss.chunks.fused_schedule`).
-            Agreed across `tp_group`.
+            accumulator does not fit beside chunks of a useful size, it is kept for the columns it fits for
+            and the others' weight gradient is made by a weight pass over blocks of columns (one more matmul
+            for those; `lmloss.chunks.fused_schedule`). With ``chunk_size="auto"`` a budget below the
+            smallest the call can honour (chunks of 8 tokens) raises `lmloss.chunks.MemoryBudgetError` (a
+            ValueError naming that smallest budget). Agreed across `tp_group`.
         sequence_parallel: `hidden` is sharded along tokens over `tp_group`; its gradient is
             reduce-scattered back. Without it every TP rank holds the same `hidden` and receives the
             full (all-reduced) gradient.

@@ -144,7 +144,9 @@ def token_logprobs(
             Triton (it holds nothing chunk-sized); None for one chunk.
         memory_budget_mib: what the op may hold beyond its inputs and their gradients (MiB); None:
             ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB on CPU and 4 GiB on CUDA
-            (`lmloss.chunks.chunk_budget_mib`). Agreed across `tp_group`.
+            (`lmloss.chunks.chunk_budget_mib`); the kept-set search's buffers included. With
+            ``chunk_size="auto"`` a budget below chunks of 8 tokens raises `lmloss.chunks.MemoryBudgetError`
+            (a ValueError naming the smallest budget the call honours). Agreed across `tp_group`.
         temperature: the (capped) logits are divided by it before the softmax.
         softcap: Gemma's ``final_logit_softcapping``: logits become ``softcap * tanh(logits / softcap)``
             first. None for no capping.
