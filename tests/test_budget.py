@@ -312,20 +312,3 @@ def test_a_replayed_support_counts_its_accumulators_and_never_takes_the_weight_p
     _, want_h, want_w = _replay_call(None)
     torch.testing.assert_close(gh.float(), want_h.float(), rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(gw.float(), want_w.float(), rtol=1e-2, atol=1e-3)
-
-
-def test_an_fp32_weight_whose_chunks_are_small_takes_the_weight_pass_and_keeps_its_gradients():
-    """An fp32 weight needs no accumulator (its gradient is one), but chunks of fewer than 64 tokens each read and
-    write the whole of it: such a budget makes the weight gradient by the weight pass (blocks over many tokens)."""
-    kw = dict(KW, gather_bytes_per_row=0, accumulator_bytes=0, bytes_per_logit=4, block_bytes_per_logit=8)
-    assert fused_schedule(n_rows=4096, budget_mib=12, weight_in_place=True, **kw).weight_block == 0  # 64 tokens
-    lean = fused_schedule(n_rows=4096, budget_mib=6, weight_in_place=True, **kw)
-    assert lean.weight_block and lean.weight_start == 0 and lean.weight_block_rows >= 64
-    assert fused_schedule(n_rows=4096, budget_mib=6, **kw).weight_block == 0  # (an accumulated gradient: no)
-    d = _data(torch.float32)
-    for op, option in (("linear_cross_entropy", "plain"), ("linear_token_logprobs", "entropy")):
-        held, grads = _held(op, option, d, ("hidden", "weight"), op == "linear_cross_entropy", BUDGET)
-        _, roomy = _held(op, option, d, ("hidden", "weight"), op == "linear_cross_entropy", None)
-        assert held <= BUDGET + PER_TOKEN * N / MiB
-        for a, b in zip(grads, roomy):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

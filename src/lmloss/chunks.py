@@ -135,8 +135,6 @@ MIN_ACCUMULATE_ROWS = {"cpu": 64, "cuda": 512}
 #: The weight pass's blocks of columns are at least this wide (or the whole shard) where the budget allows,
 #: a multiple of 128; a tight budget takes narrower ones, down to `MIN_FLOOR_COLUMNS`.
 MIN_BLOCK_COLUMNS = 512
-#: Whether an fp32 weight whose chunks are small takes the weight pass (`fused_schedule`'s `weight_in_place`).
-WEIGHT_PASS_IN_PLACE = True
 #: The fewest local columns worth an accumulator of their own beside a weight pass (`FusedSchedule.weight_start`).
 MIN_ACCUMULATED_COLUMNS = 128
 #: The most logits per chunk of a fused token pass on a CPU, whatever the budget (32 MiB of fp32): the budget's
@@ -171,7 +169,6 @@ def fused_schedule(
     bytes_per_logit: float, gather_bytes_per_row: float, accumulator_bytes: float, fixed_bytes: float,
     chunk_size: int | None | str, weight_tile_bytes: float = 0, bytes_per_row: float = 0, weight_pass: bool = True,
     min_rows: int = MIN_CHUNK_ROWS, block_bytes_per_logit: float | None = None, block_bytes_per_row: float = 0,
-    weight_in_place: bool = False,
 ) -> FusedSchedule:  # fmt: skip
     """The fused head's schedule (`FusedSchedule`) for `n_rows` counting tokens and a `local_vocab` x
     `hidden_width` head within `budget_mib`, from agreed values only (every TP rank finds the same).
@@ -188,9 +185,6 @@ def fused_schedule(
     `min_rows`: the fewest tokens per chunk (`MIN_CHUNK_ROWS`, an invariant GEMM tile's rows).
     `block_bytes_per_logit` (default `bytes_per_logit`) and `block_bytes_per_row` (more per token): a weight-pass
     tile's, whose d-logits are recomputed as a per-token backward's are (a summed loss's forward holds less).
-    `weight_in_place`: the weight gradient accumulates in place (an fp32 weight: no accumulator to count); where
-    the budget leaves chunks of fewer than `MIN_ACCUMULATE_ROWS` tokens, each of which would read and write the
-    whole gradient, the weight pass makes it instead (if `WEIGHT_PASS_IN_PLACE`).
 
     Where the accumulator does not fit beside chunks of `MIN_ACCUMULATE_ROWS`, the columns it does fit for
     keep it (`FusedSchedule.weight_start`) and only the others take the weight pass: the cost grows with
@@ -238,23 +232,19 @@ def fused_schedule(
         if rows_in(budget - weight_tile_bytes) >= n_rows:
             return FusedSchedule(max(n_rows, 1))  # one chunk holds every token: its weight gradient is one GEMM
         if not accumulator_bytes:
-            rows = fit(rows_in(budget))
-            if not (weight_in_place and WEIGHT_PASS_IN_PLACE and rows < useful and budget >= lean):
-                return FusedSchedule(rows)
-            chunk, in_place = rows, True  # the weight pass for every column (it reads the gradient once)
-        else:
-            rows = fit(rows_in(budget - accumulator_bytes))
-            if budget < lean or rows >= useful and rows * row_bytes + accumulator_bytes <= budget:
-                return FusedSchedule(rows)  # the accumulator whole (no weight pass fits, or it is not needed)
-            chunk, in_place = fit(useful if useful * row_bytes <= budget else rows_in(budget)), False
+            return FusedSchedule(fit(rows_in(budget)))
+        rows = fit(rows_in(budget - accumulator_bytes))
+        if budget < lean or rows >= useful and rows * row_bytes + accumulator_bytes <= budget:
+            return FusedSchedule(rows)  # the accumulator whole (no weight pass fits, or it is not needed)
+        chunk = fit(useful if useful * row_bytes <= budget else rows_in(budget))
     elif chunk_size is None:
         return FusedSchedule(None)
     else:
-        chunk, in_place = int(chunk_size), False
+        chunk = int(chunk_size)
         if not accumulator_bytes or not weight_pass or chunk >= n_rows or chunk * row_bytes + accumulator_bytes <= budget:
             return FusedSchedule(chunk)
     # an accumulator for the first columns the budget holds beside the chunks (rounded down to 128 columns)
-    start = 0 if in_place else int(max(budget - chunk * row_bytes, 0) // block_acc)
+    start = int(max(budget - chunk * row_bytes, 0) // block_acc)
     start -= start % 128
     start = start if start >= MIN_ACCUMULATED_COLUMNS else 0
     if start >= width:  # (an explicit chunk beside which the accumulator fits after all)

@@ -221,7 +221,6 @@ def _schedule(
         # a kept set's mask), and upcasts the low-precision hidden rows of each chunk for the fp32 GEMM
         block_bytes_per_logit=max(per_logit, TORCH_BYTES_PER_LOGIT + (item if low_precision else 0))
         + (4 if search[0] else 0), block_bytes_per_row=h_width * 4 if fp32_acc else 0,
-        weight_in_place=wants_weight and not accumulator and weight_pass and weight.dtype == weight_grad_dtype,
         min_rows=invariant_gemm_tile(weight.device)[0] if invariant else MIN_CHUNK_ROWS,
     )  # fmt: skip
 
