@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lmloss
+from lmloss.chunks import auto_chunk_size
 from lmloss.distill import bytes_per_logit
-from lmloss.fused import auto_chunk_size
 from lmloss.profiling import peak_memory
 
 N, H, H_T, V = 1024, 64, 96, 8000

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lmloss
-from lmloss.chunks import auto_chunk_size
+from lmloss.chunks import MemoryBudgetError, auto_chunk_size
 
 # lmloss computes in fp32 internally: against an fp64 reference of the same inputs we allow fp32 rounding.
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -461,7 +461,8 @@ def test_auto_chunk_size_fits_two_fp32_chunks_in_the_budget(monkeypatch):
     # 64 MiB / (2 * 4 bytes * 32000) = 262.1 rows -> 256 (multiple of 64)
     assert auto_chunk_size(10**6, 32000) == 256
     assert auto_chunk_size(100, 32000) == 100  # never more than the tokens
-    assert auto_chunk_size(10**6, 10**9) == 1  # at least one row
+    with pytest.raises(MemoryBudgetError, match=r"memory_budget_mib.*smallest this call can honour, 61035.157 MiB"):
+        auto_chunk_size(10**6, 10**9)  # not even chunks of 8 rows: refused, not run in 1-row chunks
     monkeypatch.setenv("LMLOSS_CHUNK_BUDGET_MIB", "128")
     assert auto_chunk_size(10**6, 32000) == 512
 

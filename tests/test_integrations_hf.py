@@ -433,11 +433,14 @@ def test_token_logprobs_and_entropy_match_log_softmax_of_transformers_logits():
     labels = ids.clone()
     labels[:, 5] = -100
     assert (hf.token_logprobs(patched, ids, labels)[:, 5] == 0).all()
-    # a memory budget reaches the op: chunks of a few tokens, the same log-probs
-    small = hf.token_logprobs(patched, ids, attention_mask=mask, temperature=T, memory_budget_mib=0.01)
+    # a memory budget reaches the op: chunks of a few tokens, the same log-probs; below the op's floor it is
+    # refused naming the smallest budget (issue #41)
+    small = hf.token_logprobs(patched, ids, attention_mask=mask, temperature=T, memory_budget_mib=0.03)
     torch.testing.assert_close(small, lp.detach(), **TOL)
     with pytest.raises(ValueError, match="memory_budget_mib"):
         hf.token_logprobs(patched, ids, memory_budget_mib=0)
+    with pytest.raises(ValueError, match=r"memory_budget_mib: a budget of 0.01 MiB is below the smallest .* honour, 0.02\d MiB"):
+        hf.token_logprobs(patched, ids, memory_budget_mib=0.01)
 
 
 def _greedy(model, prompt: int, total: int, seed: int = 4):

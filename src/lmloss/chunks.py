@@ -69,6 +69,29 @@ def chunk_budget_mib(device: torch.device | str = "cpu", memory_budget_mib: floa
     return min(budget, MAX_CHUNK_BUDGET_MIB)
 
 
+#: The fewest tokens per chunk a budget must hold (or every token that counts, when fewer do): below that
+#: the op is refused (`MemoryBudgetError`) rather than run in chunks of a few rows, each of which re-reads the
+#: whole head (a 1-row chunk per token took minutes where a budget of a few hundred KiB took a second).
+MIN_CHUNK_ROWS = 8
+#: The narrowest block of columns a weight pass takes (or the whole shard): a smaller budget is refused.
+MIN_FLOOR_COLUMNS = 128
+
+
+class MemoryBudgetError(ValueError):
+    """A memory budget below the smallest one the call can honour. ``floor_mib``: that smallest budget (MiB,
+    rounded up to 0.001 MiB: the call runs within it)."""
+
+    def __init__(self, budget_mib: float, floor_bytes: float, what: str) -> None:
+        self.budget_mib = budget_mib
+        self.floor_mib = math.ceil(floor_bytes / 2**20 * 1000) / 1000
+        floor = f"{self.floor_mib:.3f}".rstrip("0").rstrip(".")  # rounded up: the call runs within it
+        super().__init__(
+            f"memory_budget_mib: a budget of {budget_mib:.4g} MiB is below the smallest this call can honour, "
+            f"{floor} MiB ({what}); pass memory_budget_mib={floor} or more (the budget is memory_budget_mib=, "
+            "else LMLOSS_CHUNK_BUDGET_MIB, else the device's default)"
+        )
+
+
 def auto_chunk_size(
     n_tokens: int,
     local_vocab: int,
@@ -81,15 +104,23 @@ def auto_chunk_size(
     """Tokens per chunk for ``chunk_size="auto"``: as many as fit the op's per-chunk working set
     (``bytes_per_logit`` per logit, plus ``bytes_per_row`` per token; no bytes at all: one chunk) in the
     budget (`chunk_budget_mib` by default: 64 MiB on CPU, 4 GiB on CUDA). Rounded down to a multiple of 64
-    (matmul-friendly) when >= 64; at least 1, at most `n_tokens`."""
+    (matmul-friendly) when >= 64; at most `n_tokens`. A budget that holds fewer than `MIN_CHUNK_ROWS` rows (or
+    all of them) raises `MemoryBudgetError`, naming the smallest budget that does."""
     if bytes_per_logit <= 0 and bytes_per_row <= 0:
         return max(n_tokens, 1)
     budget_mib = chunk_budget_mib(device) if budget_mib is None else budget_mib
-    return _rows_in(budget_mib * 2**20, bytes_per_logit * max(local_vocab, 1) + bytes_per_row, n_tokens)
+    row_bytes = bytes_per_logit * max(local_vocab, 1) + bytes_per_row
+    floor_rows = min(max(n_tokens, 1), MIN_CHUNK_ROWS)
+    if budget_mib * 2**20 < floor_rows * row_bytes:
+        raise MemoryBudgetError(
+            budget_mib, floor_rows * row_bytes, f"chunks of {floor_rows} tokens over {local_vocab} columns"
+        )
+    return _rows_in(budget_mib * 2**20, row_bytes, n_tokens)
 
 
 def _rows_in(budget_bytes: float, row_bytes: float, n_rows: int) -> int:
-    """Rows of `row_bytes` that fit `budget_bytes`: a multiple of 64 when >= 64, at least 1, at most `n_rows`."""
+    """Rows of `row_bytes` that fit `budget_bytes`: a multiple of 64 when >= 64 (rounded down), at least 1, at
+    most `n_rows`."""
     rows = int(max(budget_bytes, 0) // max(row_bytes, 1))
     if rows >= 64:
         rows -= rows % 64
@@ -99,12 +130,19 @@ def _rows_in(budget_bytes: float, row_bytes: float, n_rows: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # the fused head's schedule under the budget
 
-#: The token pass keeps the fp32 weight-gradient accumulator only if what the budget leaves beside it holds
-#: chunks of at least this many tokens (or all of them): smaller chunks re-read the weight too often, and the
-#: weight pass (4 matmuls of full size instead of 3) is faster.
+#: The token pass keeps the fp32 weight-gradient accumulator (of the whole shard, or of its first columns) only
+#: beside chunks of at least this many tokens (or all of them): smaller chunks re-read the weight (and the
+#: accumulator) too often, and the weight pass (4 matmuls of full size instead of 3) is faster.
 MIN_ACCUMULATE_ROWS = {"cpu": 64, "cuda": 512}
-#: The weight pass's blocks of columns are at least this wide (or the whole shard), a multiple of 128.
+#: The weight pass's blocks of columns are at least this wide (or the whole shard) where the budget allows,
+#: a multiple of 128; a tight budget takes narrower ones, down to `MIN_FLOOR_COLUMNS`.
 MIN_BLOCK_COLUMNS = 512
+#: The fewest local columns worth an accumulator of their own beside a weight pass (`FusedSchedule.weight_start`).
+MIN_ACCUMULATED_COLUMNS = 128
+#: The most logits per chunk of a fused token pass on a CPU, whatever the budget (32 MiB of fp32): the budget's
+#: 4-byte summed cross-entropy chunks (`lmloss.fused.SUMMED_BYTES_PER_LOGIT`) keep the footprint the 8-byte
+#: ones had at the default 64 MiB (256 tokens of 32000 columns: 31.3 MiB), not measured slower
+MAX_CHUNK_LOGITS = {"cpu": 2**23}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,60 +155,118 @@ class FusedSchedule:
         GEMM). Else the local columns per block of a *weight pass* that writes the weight gradient block by
         block, each from every token at once (`WeightBlocks`): no ``[V_local, H]`` buffer beyond the gradient.
     weight_block_rows: tokens per chunk of the weight pass.
+    weight_start: with a weight pass, the local columns ``[0, weight_start)`` whose weight gradient still
+        accumulates over the token pass's chunks (an fp32 ``[weight_start, H]`` accumulator, as much of the
+        shard as the budget holds beside the chunks); the weight pass makes the others' only.
     """
 
     chunk_rows: int | None
     weight_block: int = 0
     weight_block_rows: int = 0
+    weight_start: int = 0
 
 
 def fused_schedule(
     *, n_rows: int, local_vocab: int, hidden_width: int, device: torch.device | str, budget_mib: float,
     bytes_per_logit: float, gather_bytes_per_row: float, accumulator_bytes: float, fixed_bytes: float,
-    chunk_size: int | None | str, weight_tile_bytes: float = 0,
+    chunk_size: int | None | str, weight_tile_bytes: float = 0, bytes_per_row: float = 0, weight_pass: bool = True,
+    min_rows: int = MIN_CHUNK_ROWS, block_bytes_per_logit: float | None = None, block_bytes_per_row: float = 0,
 ) -> FusedSchedule:  # fmt: skip
     """The fused head's schedule (`FusedSchedule`) for `n_rows` counting tokens and a `local_vocab` x
     `hidden_width` head within `budget_mib`, from agreed values only (every TP rank finds the same).
 
     Costs in bytes: `bytes_per_logit` of a chunk's working set per logit; `gather_bytes_per_row` per token
-    of a chunk whose rows are gathered (``H`` of the hidden dtype); `accumulator_bytes` the fp32 weight-
+    of a chunk whose rows are gathered (``H`` of the hidden dtype); `bytes_per_row` more per token of the token
+    pass (a kept-set search's bins, `lmloss.sampling.search_bytes`); `accumulator_bytes` the fp32 weight-
     gradient accumulator (0 when the weight's gradient needs none: an fp32 weight, a low-precision
     accumulator by request, no weight gradient); `fixed_bytes` what the op holds whatever its chunks (an fp32
-    hidden-gradient sum under TP, a bias accumulator); `weight_tile_bytes` the fp32 tile of a weight gradient
-    written from fp32 d-logits (`write_weight_gradient_`). `chunk_size`: an int fixes the token pass's chunk
-    (the budget then decides only the weight gradient's schedule); None: one chunk; ``"auto"``: the budget.
+    hidden-gradient sum under TP, a bias accumulator, gathered rows); `weight_tile_bytes` the fp32 tile of a
+    weight gradient written from fp32 d-logits (`write_weight_gradient_`). `chunk_size`: an int fixes the token
+    pass's chunk (the budget then decides only the weight gradient's schedule); None: one chunk; ``"auto"``:
+    the budget. `weight_pass` False: the accumulator is the only way (a replayed support's scatter).
+    `min_rows`: the fewest tokens per chunk (`MIN_CHUNK_ROWS`, an invariant GEMM tile's rows).
+    `block_bytes_per_logit` (default `bytes_per_logit`) and `block_bytes_per_row` (more per token): a weight-pass
+    tile's, whose d-logits are recomputed as a per-token backward's are (a summed loss's forward holds less).
+
+    Where the accumulator does not fit beside chunks of `MIN_ACCUMULATE_ROWS`, the columns it does fit for
+    keep it (`FusedSchedule.weight_start`) and only the others take the weight pass: the cost grows with
+    the share of the vocabulary the budget cannot hold, not all at once. With ``"auto"`` a budget below the
+    smallest schedule (chunks of `min_rows` tokens, weight-pass blocks of `MIN_FLOOR_COLUMNS` columns) raises
+    `MemoryBudgetError` naming it.
     """
     budget = budget_mib * 2**20 - fixed_bytes
-    row_bytes = bytes_per_logit * max(local_vocab, 1) + gather_bytes_per_row
-    min_rows = min(max(n_rows, 1), MIN_ACCUMULATE_ROWS.get(torch.device(device).type, 64))
-    if chunk_size is None or chunk_size == "auto" and _rows_in(budget - weight_tile_bytes, row_bytes, n_rows) >= n_rows:
-        # one chunk holds every token: its weight gradient is one GEMM, no accumulator
-        return FusedSchedule(None if chunk_size is None else max(n_rows, 1))
+    width, n = max(local_vocab, 1), max(n_rows, 1)
+    row_bytes = bytes_per_logit * width + gather_bytes_per_row + bytes_per_row
+    useful = min(n, MIN_ACCUMULATE_ROWS.get(torch.device(device).type, 64))
+    floor_rows = min(n, min_rows)
+    cap = MAX_CHUNK_LOGITS.get(torch.device(device).type, 0) // width or n  # rows (0 logits: no cap)
+    cap = max(floor_rows, cap - cap % 64 if cap >= 64 else cap)
+
+    def rows_in(space):  # `_rows_in` of the token pass, at most `cap`
+        return min(_rows_in(space, row_bytes, n_rows), cap)
+    block_acc = 4 * hidden_width  # the fp32 block accumulator's bytes per column, when a block takes chunks
+    block_logit = bytes_per_logit if block_bytes_per_logit is None else block_bytes_per_logit
+    block_row = gather_bytes_per_row + block_bytes_per_row
+
+    def tile_bytes(rows, cols):  # a weight-pass tile: its logits, gathered rows and block accumulator
+        acc = cols * block_acc if rows < n else min(weight_tile_bytes, cols * block_acc)
+        return rows * (cols * block_logit + block_row) + acc
+
+    def fit(rows):  # chunks of whole `min_rows` (an invariant GEMM tile's rows) where it is more than the floor
+        return rows if min_rows <= MIN_CHUNK_ROWS or rows >= n else max(floor_rows, rows - rows % min_rows)
+
     if chunk_size == "auto":
-        rows = _rows_in(budget - accumulator_bytes, row_bytes, n_rows)
-        if accumulator_bytes == 0 or rows >= min_rows and rows * row_bytes + accumulator_bytes <= budget:
-            return FusedSchedule(rows)
-        chunk = _rows_in(budget, row_bytes, n_rows)
+        floor, what = floor_rows * row_bytes, f"chunks of {floor_rows} tokens over {local_vocab} columns"
+        narrow = min(width, MIN_FLOOR_COLUMNS)
+        lean = max(floor, tile_bytes(floor_rows, narrow)) if weight_pass else math.inf  # the weight pass's floor
+        if accumulator_bytes:
+            with_acc = floor + accumulator_bytes
+            if with_acc <= lean:
+                floor, what = with_acc, what + f" beside the fp32 [{local_vocab}, {hidden_width}] weight-gradient accumulator"
+            else:
+                floor, what = lean, what + f", weight-pass blocks of {narrow} columns"
+        one_chunk = (n if n < 64 else -(-n // 64) * 64) * row_bytes + weight_tile_bytes  # `_rows_in` rounds
+        if one_chunk < floor:
+            floor, what = one_chunk, f"one chunk of {n} tokens over {local_vocab} columns"
+        if budget < floor:
+            raise MemoryBudgetError(budget_mib, floor + fixed_bytes, what + (
+                f" and {fixed_bytes / 2**20:.3g} MiB whatever the chunks" if fixed_bytes else ""))  # fmt: skip
+        if rows_in(budget - weight_tile_bytes) >= n_rows:
+            return FusedSchedule(max(n_rows, 1))  # one chunk holds every token: its weight gradient is one GEMM
+        if not accumulator_bytes:
+            return FusedSchedule(fit(rows_in(budget)))
+        rows = fit(rows_in(budget - accumulator_bytes))
+        if budget < lean or rows >= useful and rows * row_bytes + accumulator_bytes <= budget:
+            return FusedSchedule(rows)  # the accumulator whole (no weight pass fits, or it is not needed)
+        chunk = fit(useful if useful * row_bytes <= budget else rows_in(budget))
+    elif chunk_size is None:
+        return FusedSchedule(None)
     else:
         chunk = int(chunk_size)
-        if accumulator_bytes == 0 or chunk >= n_rows or chunk * row_bytes + accumulator_bytes <= budget:
+        if not accumulator_bytes or not weight_pass or chunk >= n_rows or chunk * row_bytes + accumulator_bytes <= budget:
             return FusedSchedule(chunk)
-    # the weight pass: blocks of columns over as many tokens at once as fit (all of them if possible)
-    block_acc = 4 * hidden_width  # the fp32 block accumulator's bytes per column, when a block takes chunks
-    narrow = min(local_vocab, MIN_BLOCK_COLUMNS)
-
-    def tile_bytes(rows, cols):
-        acc = cols * block_acc if rows < n_rows else min(weight_tile_bytes, cols * block_acc)
-        return rows * (cols * bytes_per_logit + gather_bytes_per_row) + acc
-
-    if tile_bytes(max(n_rows, 1), narrow) <= budget:
-        rows = max(n_rows, 1)
-        cols = (budget - rows * gather_bytes_per_row - weight_tile_bytes) // max(rows * bytes_per_logit, 1)
-        cols = int(min(local_vocab, max(narrow, cols - cols % 128)))
+    # an accumulator for the first columns the budget holds beside the chunks (rounded down to 128 columns)
+    start = int(max(budget - chunk * row_bytes, 0) // block_acc)
+    start -= start % 128
+    start = start if start >= MIN_ACCUMULATED_COLUMNS else 0
+    if start >= width:  # (an explicit chunk beside which the accumulator fits after all)
+        return FusedSchedule(chunk)
+    # the weight pass over the others: blocks of columns over as many tokens at once as fit (all if possible)
+    rest = width - start
+    narrow = min(rest, MIN_BLOCK_COLUMNS)
+    floor_cols = min(rest, MIN_FLOOR_COLUMNS)
+    if tile_bytes(n, narrow) <= budget:
+        rows = n
+        cols = (budget - rows * block_row - weight_tile_bytes) // max(rows * block_logit, 1)
+        cols = int(min(rest, max(narrow, cols - cols % 128)))
     else:  # a block accumulator and some tokens: half the budget for each (a tiny budget: narrower blocks)
-        cols = max(1, min(narrow, int(budget / 2 // block_acc)))
-        rows = _rows_in(budget - cols * block_acc, cols * bytes_per_logit + gather_bytes_per_row, n_rows)
-    return FusedSchedule(chunk, max(cols, 1), rows)
+        cols = max(floor_cols, min(narrow, int(budget / 2 // block_acc)))
+        rows = _rows_in(budget - cols * block_acc, cols * block_logit + block_row, n_rows)
+        if rows < floor_rows:  # the half left too few tokens: fewer columns beside `floor_rows` of them
+            rows = floor_rows
+            cols = int(max(budget - rows * block_row, 0) // (rows * block_logit + block_acc))
+            cols = max(floor_cols, min(narrow, cols - cols % 128 if cols >= 128 else cols))
+    return FusedSchedule(chunk, max(cols, 1), rows, start)
 
 
 #: The invariant mode's GEMM tile per device type, ``(rows, weight rows)``: every logit of a fused op is made by
@@ -597,12 +693,14 @@ class Accumulators:
     weight, bias: accumulated over chunks in `weight_grad_dtype`, or, with `single_chunk` (the pass has one
     chunk), the weight gradient written by one GEMM in the weight's dtype (the GEMM accumulates in fp32
     and rounds once: no accumulator). None where that input needs no gradient, or where a weight pass
-    makes it (`WeightBlocks`).
+    makes it (`WeightBlocks`). `weight_rows`: the weight pass makes all but the first `weight_rows` rows of
+    the weight gradient; those accumulate here (``[weight_rows, H]``, at least fp32) and `finish` hands the
+    accumulator itself to the weight pass (`WeightBlocks.take_rows`).
     """
 
     def __init__(
         self, hidden, weight, bias, needs, *, weight_grad_dtype, tp_summed, sequence_parallel, scratch,
-        selection: RowSelection | None = None, single_chunk: bool = False, hidden_rows=None,
+        selection: RowSelection | None = None, single_chunk: bool = False, hidden_rows=None, weight_rows: int = 0,
     ):  # fmt: skip
         self.hidden_in, self.weight_in, self.scratch = hidden, weight, scratch
         # the chunk's hidden rows as the source gathered them (`HiddenRows.hidden_rows`)
@@ -615,10 +713,14 @@ class Accumulators:
             if selection is not None:
                 selection.zero_skipped_(self.hidden)
         # one chunk: the weight's own dtype, one GEMM; else the accumulator's (fp32 by default)
-        self.single_chunk = single_chunk and weight_grad_dtype != torch.float64
+        self.weight_rows = weight_rows
+        self.single_chunk = single_chunk and weight_grad_dtype != torch.float64 and not weight_rows
         w_dtype = weight.dtype if self.single_chunk else weight_grad_dtype
+        if weight_rows:  # the first rows only, rounded once by the weight pass: at least fp32
+            w_dtype = torch.promote_types(w_dtype, torch.float32)
+        shape = (weight_rows, weight.shape[1]) if weight_rows else weight.shape
         # not zero-filled: the first chunk's GEMM writes it with beta=0
-        self.weight = torch.empty(weight.shape, dtype=w_dtype, device=weight.device) if needs[1] else None
+        self.weight = torch.empty(shape, dtype=w_dtype, device=weight.device) if needs[1] else None
         self.weight_written = False
         self.bias = None
         if bias is not None and needs[2]:
@@ -650,7 +752,7 @@ class Accumulators:
                 write_weight_gradient_(self.weight, dz, h_rows)
             else:
                 beta = 1.0 if self.weight_written else 0.0  # beta=0: the buffer's unset contents are not read
-                accumulate_(self.weight, dz, h_rows, beta)
+                accumulate_(self.weight, dz[:, : self.weight_rows] if self.weight_rows else dz, h_rows, beta)
             self.weight_written = True
         if self.bias is not None:
             self.bias.add_(dz.sum(dim=0, dtype=self.bias.dtype))
@@ -666,7 +768,10 @@ class Accumulators:
         if self.weight is not None:
             if not self.weight_written:  # no chunk (no tokens): a zero gradient
                 self.weight.zero_()
-            gw = scaled_cast(self.weight, scale, weight.dtype)
+            if self.weight_rows:  # the accumulator itself, scaled: the weight pass rounds it into its rows
+                gw, self.weight = (self.weight if scale is None else self.weight.mul_(scale)), None
+            else:
+                gw = scaled_cast(self.weight, scale, weight.dtype)
         if self.bias is not None:
             gb = scaled_cast(self.bias, scale, bias.dtype)
         return gh, gw, gb
@@ -713,6 +818,12 @@ class WeightBlocks:
         self.acc_dtype = torch.promote_types(weight.dtype, weight_grad_dtype)
         self.block, self.acc = block, None
         self.cols, self.single_chunk, self.written = (0, 0), False, False
+
+    def take_rows(self, first: list) -> None:
+        """Round the token pass's accumulator of the first rows (`Accumulators` with ``weight_rows``), handed over
+        in the list `first`, into those rows of the gradient, and let it go before any block is made."""
+        acc = first.pop()
+        self.grad[: acc.shape[0]].copy_(acc)
 
     def start_block(self, cols: tuple[int, int], *, single_chunk: bool) -> None:
         self.cols, self.single_chunk, self.written = cols, single_chunk, False
@@ -807,8 +918,10 @@ class LinearHead:
                           gemm_tile=self.opts.get("gemm_tile"))  # fmt: skip
 
     def pass_with_sink(
-        self, rows: int, cols: int, needs, selection: RowSelection | None = None, single_chunk: bool = False
+        self, rows: int, cols: int, needs, selection: RowSelection | None = None, single_chunk: bool = False,
+        weight_rows: int = 0,
     ) -> tuple[HiddenRows, Accumulators | None]:  # fmt: skip
+        """`weight_rows`: a weight pass makes the others' gradient (`Accumulators`)."""
         scratch = ChunkScratch(rows, cols, self.device)
         source = self.source(rows, cols, scratch)
         needs = (needs[0], needs[1], bool(needs[2]) and self.bias is not None)
@@ -817,7 +930,7 @@ class LinearHead:
         sink = Accumulators(
             self.hidden, self.weight, self.bias, needs, scratch=scratch, weight_grad_dtype=self.opts["weight_grad_dtype"],
             tp_summed=self.opts["tp_summed"], sequence_parallel=self.opts["sequence_parallel"], selection=selection,
-            single_chunk=single_chunk, hidden_rows=source.hidden_rows,
+            single_chunk=single_chunk, hidden_rows=source.hidden_rows, weight_rows=weight_rows,
         )  # fmt: skip
         return source, sink
 

@@ -57,11 +57,11 @@ from lmloss.vocab_parallel import ProcessGroup, gather_rows
 TOPK_MASS_TOLERANCE = 1e-3
 
 
-def bytes_per_logit(dtype: torch.dtype, beta: float, *, fused: bool) -> int:
+def bytes_per_logit(dtype: torch.dtype, beta: float, *, fused: bool, softcap: bool = False) -> int:
     """The PyTorch kernels' per-logit working set, for ``chunk_size="auto"``: three chunk-sized buffers in
-    the compute dtype (four for the JSD), and in the fused path with bf16 / fp16 the two heads' chunks in
-    that dtype as the matmuls write them."""
-    buffers = 4 if 0.0 < beta < 1.0 else 3
+    the compute dtype (four for the JSD; with a softcap two more, its slopes), and in the fused path with bf16
+    / fp16 the two heads' chunks in that dtype as the matmuls write them."""
+    buffers = (4 if 0.0 < beta < 1.0 else 3) + (2 if softcap else 0)
     element = compute_dtype(dtype).itemsize
     low_precision = fused and dtype not in (torch.float32, torch.float64)
     return buffers * element + (2 * dtype.itemsize if low_precision else 0)
@@ -308,8 +308,9 @@ def distillation_loss(
     n, v_local = math.prod(leading), student_logits.shape[-1]
     device, dtype = student_logits.device, student_logits.dtype
 
-    def auto_chunk(n_tokens, max_local, impl_):
-        return auto_chunk_size(n_tokens, max_local, device, bytes_per_logit(dtype, spec.beta, fused=False), budget_mib=budget)
+    def auto_chunk(n_tokens, max_local, impl_, search):  # (no kept set: `search` is (0, 0))
+        per_logit = bytes_per_logit(dtype, spec.beta, fused=False, softcap=bool(softcap))
+        return auto_chunk_size(n_tokens, max_local, device, per_logit, budget_mib=budget)
 
     plan = make_plan(
         n_tokens=n, local_vocab=v_local, device=device, dtype=dtype, labels=None, outputs=("loss",),
@@ -451,7 +452,8 @@ def linear_distillation_loss(
         softcap=softcap, ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group,
         vocab_start=vocab_start, sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype,
         impl=impl, outputs=("loss",), agree=agree, reduction=reduction, mean_group=mean_group,
-        bytes_per_logit=bytes_per_logit(student_weight.dtype, beta if isinstance(beta, float) else 0.0, fused=True),
+        bytes_per_logit=bytes_per_logit(student_weight.dtype, beta if isinstance(beta, float) else 0.0, fused=True,
+                                        softcap=bool(softcap)),
         checks=checks,
         memory_budget_mib=memory_budget_mib,
     )  # fmt: skip

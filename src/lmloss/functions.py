@@ -52,14 +52,18 @@ class Op:
         is left to the weight pass when the plan has one): ``(source, sink or None)``."""
         rows, cols = self.rows(head.n), self.plan.shard.size
         needs = tuple(bool(x) for x in needs)
+        partial = {}
         if self.weight_pass_needed and len(needs) > 1 and needs[1]:
-            needs = (needs[0], False, *needs[2:])
-            if not any(needs):  # the weight alone: the chunks' coefficients, without hidden gradients
-                return head.source(rows, cols), DiscardSink()
+            if self.plan.weight_start:  # the first columns' weight gradient accumulates in this pass
+                partial = {"weight_rows": self.plan.weight_start}
+            else:
+                needs = (needs[0], False, *needs[2:])
+                if not any(needs):  # the weight alone: the chunks' coefficients, without hidden gradients
+                    return head.source(rows, cols), DiscardSink()
         if not any(needs):
             return head.source(rows, cols), None
         single = self.plan.one_chunk(head.n)
-        return head.pass_with_sink(rows, cols, needs, selection=self.plan.rows, single_chunk=single)
+        return head.pass_with_sink(rows, cols, needs, selection=self.plan.rows, single_chunk=single, **partial)
 
     def run(self, leaves, needs=None):
         """One forward walk: (results, sink or None); with `needs`, gradients of the leaves that need one."""
@@ -73,10 +77,16 @@ class Op:
         )
         return results, sink
 
-    def weight_gradient(self, head, saved: dict, coef, extra: dict) -> torch.Tensor:
-        """The weight pass (`lmloss.plan.backward_pass` over blocks of columns): the weight's gradient."""
+    def weight_gradient(self, head, saved: dict, coef, extra: dict, grads: list) -> torch.Tensor:
+        """The weight pass (`lmloss.plan.backward_pass` over blocks of columns): the weight's gradient. `grads`:
+        the token pass's gradients, whose weight entry is the fp32 accumulator of the first `weight_start`
+        columns (or None): taken out of it and rounded into the gradient before any block is made."""
         plan = self.plan
         source, sink = head.weight_pass(plan.weight_block_rows, plan.weight_block)
+        first = [grads[1]] if grads[1] is not None and plan.weight_start else []
+        grads[1] = None
+        if first:
+            sink.take_rows(first)
         backward_pass(plan, head.n, self.objective, source, sink, saved, coef, extra, device=head.device, columns=True)
         return sink.grad
 
@@ -120,7 +130,7 @@ class PerTokenLoss(torch.autograd.Function):
             grads = list(head.gradients(sink, tp_group=op.plan.tp_group))
         del source, sink  # the token pass's scratch, before the weight pass makes its own
         if op.weight_pass_needed and needs[1]:
-            grads[1] = op.weight_gradient(head, saved, coef, extra)
+            grads[1] = op.weight_gradient(head, saved, coef, extra, grads)
         return (None, *grads)
 
 
@@ -165,7 +175,7 @@ class SummedLoss(torch.autograd.Function):
         grads = list(head.gradients(sink, grad_total, tp_group=op.plan.tp_group))
         if results is not None:
             saved, coef, extra = op.objective.weight_pass_inputs(results, grad_total)
-            grads[1] = op.weight_gradient(head, saved, coef, extra)
+            grads[1] = op.weight_gradient(head, saved, coef, extra, grads)
         return (None, None, None, *grads)
 
 

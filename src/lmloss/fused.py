@@ -35,11 +35,11 @@ import torch
 from lmloss import _validate, replay
 from lmloss.agreement import errors_raised_on_every_rank
 from lmloss.chunks import (
+    MIN_CHUNK_ROWS,
     WEIGHT_TILE_ROWS,
     FusedSchedule,
     GatherRows,
     LinearHead,
-    auto_chunk_size,
     chunk_budget_mib,
     fused_schedule,
     gemm_accumulates_into_fp32,
@@ -59,6 +59,9 @@ from lmloss.vocab_parallel import ProcessGroup, world_size
 #: ``[chunk, V_local]`` tensors at once (the logits chunk, and ``p`` beside it for an entropy gradient).
 #: The Triton ones hold only the chunk's logits in the input dtype (their d-logits overwrite them).
 TORCH_BYTES_PER_LOGIT = 8
+#: The same for a summed cross-entropy without softcap: the fp32 chunk alone, its exps and then its d-logits
+#: written over it (`lmloss.kernels.torch_ref`'s ``partials_then_grad_``; measured: 4 bytes per logit).
+SUMMED_BYTES_PER_LOGIT = 4
 
 
 def _check_tensors(
@@ -182,10 +185,12 @@ def prepare(
 
 
 def _schedule(
-    n_rows, local_vocab, impl, chunk_size, gathered, *, hidden, weight, n_tokens, grad, budget, chunk_buffers,
-    bytes_per_logit, weight_grad_dtype, tp, sequence_parallel, weight_pass, invariant,
+    n_rows, local_vocab, impl, chunk_size, gathered, *, search=(0, 0), vocab_rows=None, hidden, weight, n_tokens, grad, budget,
+    chunk_buffers, bytes_per_logit, weight_grad_dtype, tp, sequence_parallel, weight_pass, invariant,
 ) -> FusedSchedule:  # fmt: skip
-    """`fused_schedule` from a fused op's arguments: what each buffer costs (agreed values only)."""
+    """`fused_schedule` from a fused op's arguments: what each buffer costs (agreed values only). `search`: the
+    kept-set search's bytes per logit and per row (`lmloss.sampling.search_bytes`); `vocab_rows`: the weight's
+    rows (the largest shard's; `local_vocab` is a chunk's width, a replayed support's slots for one)."""
     h_width, item = weight.shape[1], weight.element_size()
     low_precision = weight.dtype in (torch.bfloat16, torch.float16)
     if impl == "triton":
@@ -194,26 +199,30 @@ def _schedule(
         per_logit = bytes_per_logit + (item if low_precision else 0)
     fp32_acc = low_precision and weight_grad_dtype == torch.float32
     wants_weight, wants_hidden, wants_bias = bool(grad & 2), bool(grad & 1), bool(grad & 4)
-    accumulator = local_vocab * h_width * 4 if wants_weight and (fp32_acc or not weight_pass) else 0
+    # a replayed support's weight gradient is a scatter into an fp32 [V_local, H] accumulator (no weight pass)
+    rows = local_vocab if vocab_rows is None else vocab_rows
+    accumulator = rows * h_width * 4 if wants_weight and (fp32_acc or not weight_pass) else 0
     fixed = local_vocab * 4 if wants_bias else 0  # the bias gradient's fp32 sum
     if wants_hidden and (tp > 1 and not sequence_parallel and low_precision or not weight_pass):
         fixed += n_tokens * h_width * 4  # the hidden gradient's fp32 sum over TP ranks (or the slots')
     if sequence_parallel:  # every rank's tokens, gathered
         fixed += n_tokens * h_width * item
-    if invariant:  # the fixed-shape GEMM's tile
-        fixed += invariant_tile_bytes(weight.device, h_width, item)
+    if invariant:  # the fixed-shape GEMM's tile, and the transposed output of the rows after whole tiles
+        tile_rows, tile_cols = invariant_gemm_tile(weight.device)
+        fixed += invariant_tile_bytes(weight.device, h_width, item) + tile_rows * tile_cols * item
     # fp32 d-logits of a low-precision weight (CPU) are written into its gradient in fp32 tiles
     tile = WEIGHT_TILE_ROWS * h_width * 4 if fp32_acc and not gemm_accumulates_into_fp32(weight.device, weight.dtype) else 0
-    schedule = fused_schedule(
+    return fused_schedule(
         n_rows=n_rows, local_vocab=local_vocab, hidden_width=h_width, device=weight.device, budget_mib=budget,
-        bytes_per_logit=per_logit, gather_bytes_per_row=h_width * item if gathered else 0,
+        bytes_per_logit=per_logit + search[0], gather_bytes_per_row=h_width * item if gathered else 0,
         accumulator_bytes=accumulator, fixed_bytes=fixed, chunk_size=chunk_size, weight_tile_bytes=tile,
+        bytes_per_row=search[1], weight_pass=weight_pass,
+        # a weight-pass tile recomputes its d-logits as a per-token backward does (at least the default's buffers,
+        # a kept set's mask), and upcasts the low-precision hidden rows of each chunk for the fp32 GEMM
+        block_bytes_per_logit=max(per_logit, TORCH_BYTES_PER_LOGIT + (item if low_precision else 0))
+        + (4 if search[0] else 0), block_bytes_per_row=h_width * 4 if fp32_acc else 0,
+        min_rows=invariant_gemm_tile(weight.device)[0] if invariant else MIN_CHUNK_ROWS,
     )  # fmt: skip
-    if not weight_pass and schedule.weight_block:  # a replayed support's slots: the accumulators, smaller chunks
-        rows = auto_chunk_size(n_rows, local_vocab, weight.device, per_logit, budget_mib=budget - (accumulator + fixed) / 2**20,
-                               bytes_per_row=h_width * item if gathered else 0)  # fmt: skip
-        schedule = FusedSchedule(rows if chunk_size == "auto" else chunk_size)
-    return schedule
 
 
 def linear_token_logprobs(
@@ -259,9 +268,11 @@ def linear_token_logprobs(
         memory_budget_mib: what the op may hold beyond its inputs, their gradients and O(tokens) vectors
             (MiB), the weight-gradient accumulator included; None: ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB
             on CPU and 4 GiB on CUDA (`lmloss.chunks.chunk_budget_mib`). Where an fp32 ``[V_local, H]``
-            accumulator does not fit beside chunks of a useful size, the weight gradient is made by a
-            weight pass over blocks of columns (one more matmul; `lmloss.chunks.fused_schedule`).
-            Agreed across `tp_group`.
+            accumulator does not fit beside chunks of a useful size, it is kept for the columns it fits for
+            and the others' weight gradient is made by a weight pass over blocks of columns (one more matmul
+            for those; `lmloss.chunks.fused_schedule`). With ``chunk_size="auto"`` a budget below the
+            smallest the call can honour (chunks of 8 tokens) raises `lmloss.chunks.MemoryBudgetError` (a
+            ValueError naming that smallest budget). Agreed across `tp_group`.
         sequence_parallel: `hidden` is sharded along tokens over `tp_group`; its gradient is
             reduce-scattered back. Without it every TP rank holds the same `hidden` and receives the
             full (all-reduced) gradient.
@@ -358,8 +369,8 @@ def linear_cross_entropy(
         ignore_index=ignore_index, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start,
         sequence_parallel=sequence_parallel, weight_grad_dtype=weight_grad_dtype, impl=impl,
         outputs=("loss",), label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
-        mean_group=mean_group, invariant=invariant,
-        memory_budget_mib=memory_budget_mib,
+        mean_group=mean_group, invariant=invariant, memory_budget_mib=memory_budget_mib,
+        bytes_per_logit=SUMMED_BYTES_PER_LOGIT if reduction != "none" and softcap is None else None,
     )  # fmt: skip
     if reduction == "none":
         op = Op(p.plan, p.head, SoftmaxObjective(p.plan, p.labels))

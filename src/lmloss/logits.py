@@ -17,7 +17,7 @@ from lmloss import _validate, replay
 from lmloss.agreement import errors_raised_on_every_rank
 from lmloss.chunks import LogitsHead, auto_chunk_size, chunk_budget_mib
 from lmloss.functions import InPlaceCrossEntropy, Op, PerTokenLoss
-from lmloss.kernels import compute_dtype
+from lmloss.kernels import INVARIANT_BLOCK, compute_dtype
 from lmloss.objectives import SoftmaxObjective
 from lmloss.plan import LossPlan, make_plan
 from lmloss.sampling import make_sampling, report_dropped
@@ -28,10 +28,17 @@ from lmloss.vocab_parallel import ProcessGroup, all_reduce_sum_
 TORCH_BYTES_PER_LOGIT = 8
 
 
-def logits_chunk_size(n_tokens: int, local_vocab: int, impl: str, device: torch.device, budget_mib: float) -> int:
-    """``chunk_size="auto"`` for the logits ops: the PyTorch kernels' scratch within the budget."""
-    per_logit = 0 if impl == "triton" else TORCH_BYTES_PER_LOGIT
-    return auto_chunk_size(n_tokens, local_vocab, device, per_logit, budget_mib=budget_mib)
+def logits_chunk_size(
+    n_tokens: int, local_vocab: int, impl: str, device: torch.device, budget_mib: float, search: tuple = (0, 0),
+    torch_extra: tuple = (0, 0),
+) -> int:  # fmt: skip
+    """``chunk_size="auto"`` for the logits ops: the PyTorch kernels' scratch within the budget (and `torch_extra`
+    more of it, bytes per logit and per row), and the kept-set search's (`search`, the same units,
+    `lmloss.sampling.search_bytes`)."""
+    if impl == "triton" and not any(search):
+        return auto_chunk_size(n_tokens, local_vocab, device, 0, budget_mib=budget_mib)
+    per_logit, per_row = TORCH_BYTES_PER_LOGIT + search[0] + torch_extra[0], search[1] + torch_extra[1]
+    return auto_chunk_size(n_tokens, local_vocab, device, per_logit, budget_mib=budget_mib, bytes_per_row=per_row)
 
 def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
     """Check the tensors every logits op shares; return the labels as int64 (or None)."""
@@ -45,10 +52,19 @@ def _check_logits(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Te
 
 def _plan(logits: torch.Tensor, labels: torch.Tensor | None, budget: float, **options) -> LossPlan:
     device = logits.device
+    # beyond the kernels' two fp32 buffers: a low-precision chunk's softcap slope (a third), and the invariant
+    # mode's per-block sums of each row (`INVARIANT_BLOCK` columns a block)
+    lowp = logits.dtype in (torch.bfloat16, torch.float16)
+    per_logit = 4 if options.get("softcap") and lowp else 0
+    per_row = 32 * (logits.shape[-1] // INVARIANT_BLOCK + 1) if options.get("invariant") else 0
+
+    def auto_chunk(n, v, impl, search):
+        return logits_chunk_size(n, v, impl, device, budget, search, (per_logit, per_row))
+
     return make_plan(
         n_tokens=math.prod(logits.shape[:-1]), local_vocab=logits.shape[-1], device=device, dtype=logits.dtype,
-        labels=None if labels is None else labels.reshape(-1),
-        auto_chunk=lambda n, v, impl: logits_chunk_size(n, v, impl, device, budget), arguments={"logits": logits},
+        labels=None if labels is None else labels.reshape(-1), auto_chunk=auto_chunk,
+        arguments={"logits": logits},
         **options,
     )  # fmt: skip
 
@@ -131,7 +147,9 @@ def token_logprobs(
             Triton (it holds nothing chunk-sized); None for one chunk.
         memory_budget_mib: what the op may hold beyond its inputs and their gradients (MiB); None:
             ``LMLOSS_CHUNK_BUDGET_MIB``, else 64 MiB on CPU and 4 GiB on CUDA
-            (`lmloss.chunks.chunk_budget_mib`). Agreed across `tp_group`.
+            (`lmloss.chunks.chunk_budget_mib`); the kept-set search's buffers included. With
+            ``chunk_size="auto"`` a budget below chunks of 8 tokens raises `lmloss.chunks.MemoryBudgetError`
+            (a ValueError naming the smallest budget the call honours). Agreed across `tp_group`.
         temperature: the (capped) logits are divided by it before the softmax.
         softcap: Gemma's ``final_logit_softcapping``: logits become ``softcap * tanh(logits / softcap)``
             first. None for no capping.

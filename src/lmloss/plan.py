@@ -23,7 +23,7 @@ from lmloss.agreement import describe_arguments, errors_raised_on_every_rank, wi
 from lmloss.kernels import INVARIANT_BLOCK, ChunkMath, compute_dtype, make_kernels, resolve_impl
 from lmloss.objectives import BYPRODUCTS, OUTPUTS
 from lmloss.rows import Rows, RowSelection, all_rows
-from lmloss.sampling import Sampling
+from lmloss.sampling import Sampling, search_bytes
 from lmloss.vocab_parallel import INVARIANT_MAX_COLUMNS, ProcessGroup, VocabShard, resolve_shard, world_size
 
 #: ``source(rows, cols) -> x [c, V_local]`` (or ``[c, c1 - c0]`` for local columns ``cols = (c0, c1)``)
@@ -81,6 +81,9 @@ class LossPlan:
     #: the by-products of the same pass (a subset of `BYPRODUCTS`, in that order): not differentiable, returned
     #: after the outputs (`lmloss.objectives.finish`)
     byproducts: tuple[str, ...] = ()
+    #: with a weight pass, the local columns ``[0, weight_start)`` whose weight gradient accumulates over the
+    #: token pass's chunks (`lmloss.chunks.FusedSchedule.weight_start`); the weight pass makes the others'
+    weight_start: int = 0
 
     @property
     def invariant(self) -> bool:
@@ -121,9 +124,9 @@ class LossPlan:
         return make_kernels(self.impl, max(rows, 1), self.shard.size if cols is None else cols, device)
 
     def column_blocks(self) -> list[tuple[int, int]]:
-        """The weight pass's blocks of local columns ``(c0, c1)`` (`weight_block` wide)."""
+        """The weight pass's blocks of local columns ``(c0, c1)`` (`weight_block` wide), from `weight_start`."""
         width = self.shard.size
-        return [(c, min(c + self.weight_block, width)) for c in range(0, width, self.weight_block)]
+        return [(c, min(c + self.weight_block, width)) for c in range(self.weight_start, width, self.weight_block)]
 
     def block_math(self, cols: tuple[int, int] | None) -> ChunkMath:
         """The kernels' math for local columns ``cols`` of the shard: a sub-shard (None: the whole shard)."""
@@ -168,8 +171,10 @@ def make_plan(
     """Check the options every op shares and resolve them into a `LossPlan`.
 
     `labels` are the flat int64 labels (or None). `auto_chunk(n_rows, max_V_local, impl)` sizes
-    ``chunk_size="auto"`` from values that every TP rank agrees on (`n_rows`: the rows that count); a fused
-    head passes `schedule` instead, ``schedule(n_rows, max_V_local, impl, chunk_size, gathered) ->
+    ``chunk_size="auto"`` from values that every TP rank agrees on (`n_rows`: the rows that count; a fourth
+    argument, ``(bytes per logit, bytes per row)`` of the kept-set search, `lmloss.sampling.search_bytes`, to
+    count beside the op's own); a fused head passes `schedule` instead, ``schedule(n_rows, max_V_local, impl,
+    chunk_size, gathered, search=..., vocab_rows=max_V_local) ->
     lmloss.chunks.FusedSchedule`` (its chunks and its weight gradient's schedule within the budget;
     `gathered`: rows are skipped, so its chunks gather theirs). Under `tp_group` the ranks' metadata
     is compared in one all-gather before any other collective (`resolve_shard`): token count, chunk size,
@@ -250,6 +255,9 @@ def make_plan(
         )
     if labels is not None and not gathered:
         _validate.check_label_range(labels, shard.vocab_size, ignore_index)
+    if sampling is not None and sampling.k_max > shard.vocab_size:  # a larger top_k keeps every column alike:
+        # the search's candidates (every rank's, padded to k_max under TP) need no more (agreed values)
+        sampling = dataclasses.replace(sampling, k_max=shard.vocab_size)
     if counting is None and labels is not None:
         counting = labels != ignore_index
     # the threshold search holds a few chunk-sized buffers whichever kernels run: chunk as torch does;
@@ -260,12 +268,15 @@ def make_plan(
         selection = RowSelection.of(counting.reshape(-1), row_width=width)
     n_count = n_tokens if selection is None else selection.count
     budget_impl = "torch" if sampling is not None else impl
-    weight_block = weight_block_rows = 0
+    # the kept-set search's own buffers (PyTorch's, whichever kernels run), per logit and per row of a chunk
+    search = search_bytes(sampling, dtype=dtype, vocab=shard.vocab_size, invariant=invariant, world=world_size(tp_group))
+    weight_block = weight_block_rows = weight_start = 0
     if schedule is not None:  # a fused head: its chunks and its weight gradient's schedule, within the budget
-        fused = schedule(n_count, width, budget_impl, chunk_size, selection is not None)
+        fused = schedule(n_count, width, budget_impl, chunk_size, selection is not None, search=search, vocab_rows=max_local)
         chunk_size, weight_block, weight_block_rows = fused.chunk_rows, fused.weight_block, fused.weight_block_rows
+        weight_start = fused.weight_start
     elif chunk_size == "auto":
-        chunk_size = auto_chunk(n_count, width, budget_impl)
+        chunk_size = auto_chunk(n_count, width, budget_impl, search)
     math = ChunkMath(
         vocab_start=shard.start, valid=shard.valid, scale=1.0 / temperature, softcap=float(softcap or 0.0)
     )
@@ -280,7 +291,8 @@ def make_plan(
         log_kept_mass=bool(log_kept_mass), vocab=vocab, vocab_math=vocab_math,
         invariant_block=0 if not invariant else 1 if support is not None else INVARIANT_BLOCK,
         rows=selection, counting=None if counting is None else counting.reshape(-1), weight_block=weight_block,
-        weight_block_rows=weight_block_rows, byproducts=tuple(k for k in BYPRODUCTS if k in byproducts),
+        weight_block_rows=weight_block_rows, weight_start=weight_start,
+        byproducts=tuple(k for k in BYPRODUCTS if k in byproducts),
     )  # fmt: skip
 
 

@@ -216,6 +216,35 @@ def report_dropped(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# what the search holds
+
+
+def search_bytes(
+    sampling: Sampling | None, *, dtype: torch.dtype, vocab: int, invariant: bool = False, world: int = 1
+) -> tuple[int, int]:
+    """What the PyTorch search of a chunk's kept set (`keep_thresholds`) holds beside the kernels' own two
+    chunk-sized buffers, as ``(bytes per logit, bytes per row)`` for the plan's chunking (`lmloss.plan`):
+    the kept mask (every truncation); top-p's int64 bin of every logit and its candidate mask, and per row
+    its histogram (`TOP_P_BINS` bins and the lumped ones below them, then their float64 sums; in the
+    invariant mode all of them 64-bit); top-k's candidates (``k_max`` values and their int64 indices, every
+    rank's under TP; `vocab`: the global vocabulary, which caps k). `dtype`: the logits' (the search works in
+    `compute_dtype`); `world`: the TP group's size. Not counted: the top-p
+    crossing bin's candidates (typically tens to hundreds per row). (0, 0) without a truncation."""
+    if sampling is None:
+        return 0, 0
+    item = max(torch.finfo(dtype).bits // 8, 4)  # y's dtype: fp32 for bf16 / fp16 / fp32 logits
+    per_logit, per_row = 4, 2 * world * min(sampling.k_max, vocab) * (item + 8)
+    if sampling.top_p is not None:
+        # the bins (int64), the candidates' mask, y's own buffer beside the kernels' (an entropy's p), fixed point
+        per_logit += 8 + 1 + 4 + (8 if invariant and item == 8 else 0)
+        if invariant:  # the 64-bit scatter's bins and the histogram, then the histogram, its sums and two temporaries
+            per_row += max((_TOP_P_LOWEST + 2 * TOP_P_BINS) * 8, 4 * TOP_P_BINS * 8)
+        else:  # the scatter's bins and the histogram, then the histogram and its float64 suffix sums
+            per_row += max((_TOP_P_LOWEST + 2 * TOP_P_BINS) * item, TOP_P_BINS * (item + 8 + 8))
+    return per_logit, per_row
+
+
+# ----------------------------------------------------------------------------------------------------------
 # thresholds of one chunk
 
 
@@ -603,11 +632,19 @@ def _sum64(t: torch.Tensor) -> torch.Tensor:
 
 
 def _at_or_above(hist: torch.Tensor) -> torch.Tensor:
-    """Float64 mass at or above each bin (summed from the top bin down), ``[c, bins]``."""
-    hist = hist.double()
-    below = hist.cumsum(1)  # mass at or below each bin; at or above = total - below + own (in place)
+    """Float64 mass at or above each bin (summed from the top bin down), ``[c, bins]``: one float64 buffer kept
+    (``hist``'s values convert to float64 exactly, so adding the fp32 ones adds the same numbers)."""
+    below = hist.double().cumsum(1)  # mass at or below each bin; at or above = total - below + own (in place)
     total = below[:, -1:].clone()
     return torch.sub(total, below, out=below).add_(hist)
+
+
+def _mass_above(at_or_above: torch.Tensor, crossing: torch.Tensor) -> torch.Tensor:
+    """The mass strictly above each row's `crossing` bin: the next bin's mass at or above it (0 above the top
+    bin), read without a padded copy of ``[c, bins]``."""
+    nxt = (crossing + 1)[:, None]
+    above = at_or_above.gather(1, nxt.clamp(max=at_or_above.shape[1] - 1)).squeeze(1)
+    return torch.where(nxt.squeeze(1) < at_or_above.shape[1], above, 0)
 
 
 def _crossing(at_or_above: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -657,11 +694,14 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
     with one_thread(dev):  # [c, bins] work
         hist = full[:, _TOP_P_LOWEST:].contiguous()
         hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        del full  # [c, ~4k bins]: let it go before the float64 sums (the budget counts per-row bytes)
         at_or_above = _at_or_above(all_reduce_sum_(hist, group))
+        del hist
         target = top_p * at_or_above[:, 0]  # the kept mass Z is everything at or above bin 0
         crossing = _crossing(at_or_above, target)
-        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
-        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)  # the mass strictly above the bin
+        above = _mass_above(at_or_above, crossing)  # the mass strictly above the bin
+        z_mass = at_or_above[:, 0].clone()
+        del at_or_above
         cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
     in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
     r, col = in_bin.nonzero(as_tuple=True)
@@ -675,7 +715,7 @@ def _top_p_threshold(y, exps, big_m, keep, top_p, *, group, scratch) -> tuple[to
             t_dense, mass_dense = _dense_top_p(y, keep, big_m, top_p, miss, group)
             t = torch.where(miss, t_dense, t)
             kept_mass = torch.where(miss, mass_dense, kept_mass)
-        kept_mass = torch.where(active, kept_mass, at_or_above[:, 0])
+        kept_mass = torch.where(active, kept_mass, z_mass)
         return torch.where(active, t, -math.inf), kept_mass
 
 
@@ -746,13 +786,13 @@ def _top_p_threshold_exact(y, exps, big_m, keep, top_p, *, group, scratch) -> tu
         hist = full[:, _TOP_P_LOWEST:].contiguous()
         if dt != torch.float32:  # integers: the lumped bin's sum is exact too
             hist[:, 0] += full[:, :_TOP_P_LOWEST].sum(1)
+        del full  # [c, ~4k bins]: let it go before the sums (the budget counts per-row bytes)
         all_reduce_sum_(hist, group)
         below = hist.cumsum(1)
         at_or_above = below[:, -1:] - below + hist
         target = top_p * at_or_above[:, 0].double()
         crossing = ((at_or_above.double() >= target[:, None]).sum(1) - 1).clamp(min=0)
-        padded = torch.cat([at_or_above, at_or_above.new_zeros(rows, 1)], dim=1)
-        above = padded.gather(1, (crossing + 1)[:, None]).squeeze(1)
+        above = _mass_above(at_or_above, crossing)
         cross_id = (crossing + _TOP_P_LOWEST).to(torch.int32)[:, None]
     in_bin = torch.eq(bins, cross_id, out=scratch.get("samp_mask", rows, cols, torch.bool))
     r, col = in_bin.nonzero(as_tuple=True)

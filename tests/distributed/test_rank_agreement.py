@@ -753,10 +753,10 @@ def _positive(rank: int, group, name: str) -> dict:
     kw = dict(kw, tp_group=group)
     if split[0] != split[1]:
         kw["vocab_start"] = s
-    # a chunk budget so small that each rank's own shard would give it another "auto" chunk (300 bytes: 1 row
-    # for 20 columns and 2 for 12 fused, 1 and 3 over logits): the ranks must size it from a width they agree on
+    # a chunk budget just above the floor of the agreed width (issue #41 refuses less), where each rank's own
+    # shard would give it another "auto" chunk: the ranks must size it (and its floor) from a width they agree on
     before = os.environ.get("LMLOSS_CHUNK_BUDGET_MIB")
-    os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(300 / 2**20)
+    os.environ["LMLOSS_CHUNK_BUDGET_MIB"] = str(800 / 2**20)
     try:
         return dict(fused=_fused_outputs(g, s, e, kw), logits=_logits_outputs(g, s, e, kw))
     finally:

@@ -501,6 +501,12 @@ def _add_ratios(rows: list[Result]) -> None:
         base = plain.get((r.impl.removesuffix(INVARIANT_SUFFIX), r.chunk, r.kernel))
         if r.impl.endswith(INVARIANT_SUFFIX) and r.status == "ok" and base is not None and base.time_ms:
             _append_note(r, f"invariant: {r.time_ms / base.time_ms:.2f}x {base.label}'s time")
+    # ``--budget``: the price of each budget, its row's time against the same row at the op's default budget
+    default = {(r.impl, r.chunk, r.kernel): r for r in rows if r.status == "ok" and r.budget_mib is None}
+    for r in rows:
+        base = default.get((r.impl, r.chunk, r.kernel))
+        if r.budget_mib is not None and r.status == "ok" and base is not None and base.time_ms:
+            _append_note(r, f"{r.time_ms / base.time_ms:.2f}x the default budget's time")
 
 
 class PlainProgress:

@@ -77,12 +77,20 @@ def check_reference_head(ref_hidden, ref_weight, hidden, weight) -> None:
         raise ValueError("ref_hidden / ref_weight must be on the policy's devices")
 
 
+#: The per-logit working set of a policy loss with a softcap on the PyTorch kernels (measured: the default 8
+#: bytes and the slope's and its work buffer's beside them).
+SOFTCAP_BYTES_PER_LOGIT = 16
+
+
 def _full_kl_chunk_bytes(softcap, weight, ref_weight) -> dict:
     """The per-logit working set of ``kl_loss_type="full"`` for ``chunk_size="auto"`` (`lmloss.fused.prepare`):
     folded on the PyTorch kernels, the policy's chunk (worked in place), the reference's (``x - x_ref``, then its
-    product with the exps) and the exps: three values (fp32: 12 bytes)."""
+    product with the exps) and the exps: three values (fp32: 12 bytes). Otherwise five fp32 values, and a low-
+    precision reference head's own matmul output beside them (the policy's is counted by `prepare`)."""
     folded_torch = not softcap and ref_weight is not None and weight.dtype == ref_weight.dtype in (torch.float32, torch.float64)
-    return dict(bytes_per_logit=3 * weight.element_size() if folded_torch else 20, chunk_buffers=3 if softcap else 2)
+    ref_lowp = ref_weight is not None and ref_weight.dtype in (torch.bfloat16, torch.float16)
+    unfolded = (40 if softcap else 20) + (ref_weight.element_size() if ref_lowp else 0)  # softcap: both slopes too
+    return dict(bytes_per_logit=3 * weight.element_size() if folded_torch else unfolded, chunk_buffers=3 if softcap else 2)
 
 
 class PolicyUpstream:
@@ -381,7 +389,8 @@ def linear_policy_loss(
             # with the reference head a chunk holds more (`lmloss.objectives.SoftmaxObjective._with_reference`):
             # both heads' chunks; folded into the policy's gradient (no softcap, and on PyTorch fp32 / fp64 heads
             # of one dtype) two fp32 buffers more (PyTorch), else the KL's own gradient and its work buffers
-            **(_full_kl_chunk_bytes(softcap, weight, ref_weight) if kl_loss_type == "full" else {}),
+            **(_full_kl_chunk_bytes(softcap, weight, ref_weight) if kl_loss_type == "full" else
+               {"bytes_per_logit": SOFTCAP_BYTES_PER_LOGIT} if softcap else {}),
             invariant=invariant, memory_budget_mib=memory_budget_mib,
         )  # fmt: skip
     except (TypeError, ValueError) as error:  # raised on every TP rank: the CP ranks of other TP groups hear it too
