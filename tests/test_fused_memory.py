@@ -324,6 +324,8 @@ def test_invariant_mode_stays_within_a_budget_below_its_accumulator_above_its_on
     def fn(x, w, b, budget_mib):
         return (lmloss.linear_token_logprobs(x, w, labels, invariant=True, memory_budget_mib=budget_mib) * up).sum()
 
+    fn(hidden, weight, None, budget).backward()  # the process's first invariant call probes the math library
+    # (once per dtype / shape / thread count, cached: docs/invariant.md), outside the op's budget
     lean, _ = _peak_above_grads(lambda x, w, b: fn(x, w, b, budget), hidden, weight)
     assert lean <= budget * MiB + PER_TOKEN_SLACK * n, f"{lean / MiB:.2f} MiB above grads"
     lean_grad = weight.grad.clone()

@@ -23,7 +23,7 @@ def test_preference_doc_examples_print_the_output_shown(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = DOC.read_text()
     pairs = re.findall(r"```python\n(.*?)```\s*```text\n(.*?)```", text, re.S)
-    assert len(pairs) == 3 == text.count("```python")
+    assert len(pairs) == 4 == text.count("```python")
     namespace = {"__name__": "preference_doc"}
     rng = torch.get_rng_state()
     try:

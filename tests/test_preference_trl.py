@@ -190,7 +190,9 @@ def test_dpo_alpha_divergence_matches_trl_in_float32(dpo):
     want_grads = grads_of(trainer.model, want)
     out = lmloss_dpo(trainer, batch, spec, dtype=torch.float32)
     assert out.loss.dtype == torch.float32
-    assert_same(out.loss, grads_of(trainer.model, out.loss), want, want_grads, rtol=1e-5, atol=1e-7)
+    # float32 on both sides, lmloss's per-sequence sums accumulated in float64 (`lmloss.sequences`) and TRL's in
+    # float32: the gradients agree to float32's rounding of a ~1e-2 sum (5e-7 seen), not to 1e-7
+    assert_same(out.loss, grads_of(trainer.model, out.loss), want, want_grads, rtol=1e-5, atol=2e-6)
 
 
 # ----------------------------------------------------------------------------------------------- KTO
