@@ -315,3 +315,20 @@ def test_a_replayed_support_counts_its_accumulators_and_never_takes_the_weight_p
     _, want_h, want_w = _replay_call(None)
     torch.testing.assert_close(gh.float(), want_h.float(), rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(gw.float(), want_w.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_a_fused_head_whose_every_token_counts_makes_no_copy_of_the_hidden_states():
+    """Where every label counts, the hidden states go to the head as they are: a masked copy of them (made for
+    torch.compile, which walks every row) would be ``[N, H]`` outside the budget (4 MiB at 4096 x 256)."""
+    g = torch.Generator().manual_seed(3)
+    n, h, v, budget = 512, 256, 2048, 0.5
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / 16).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)  # every token counts
+    with peak_memory() as fwd:
+        loss = lmloss.linear_cross_entropy(hidden, weight, labels, memory_budget_mib=budget)
+    grads = (hidden.numel() + weight.numel()) * 4  # the summed loss's gradients, made in the forward
+    assert (fwd.peak_bytes - grads) / MiB <= budget + PER_TOKEN * n / MiB, f"{(fwd.peak_bytes - grads) / MiB:.3f} MiB"
+    loss.backward()
+    want = torch.nn.functional.cross_entropy(hidden.detach() @ weight.detach().T, labels)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)

@@ -173,8 +173,10 @@ def prepare(
     flat = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:
         flat = GatherRows.apply(flat, tp_group)
-    if plan.rows is None and plan.counting is not None:  # torch.compile walks every row: a row that does not
-        # count is computed and masked, and its hidden row would still reach the weight gradient (0 * inf = NaN)
+    if plan.rows is None and plan.counting is not None and torch.compiler.is_compiling():
+        # torch.compile walks every row: a row that does not count is computed and masked, and its hidden row
+        # would still reach the weight gradient (0 * inf = NaN). Eager leaves plan.rows None only where every
+        # row counts: no copy of the hidden states there (it would sit outside the memory budget)
         flat = torch.where(plan.counting[:, None], flat, 0)
     opts = linear_head_options(
         weight, weight_grad_dtype=weight_grad_dtype, sequence_parallel=sequence_parallel, tp_group=tp_group,
