@@ -54,6 +54,21 @@ _METHOD = "_get_per_token_logps_and_entropies"
 _STATE_ATTR = "_lmloss_trl_patch"
 
 
+def _scorer(self, options: dict[str, Any], return_entropy: bool = False):
+    """``score(body, ids, labels, mask)``: `lmloss.integrations.hf.token_logprobs` on `body` at the trainer's
+    temperature and autocast, with `options` (the patch's, or the reference's untruncated ones); the
+    `compute` that `hf.run_as_forward` runs as the model's forward."""
+
+    def score(body: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+        with self.accelerator.autocast():
+            return hf.token_logprobs(
+                body, ids, labels, attention_mask=mask, temperature=self.temperature,
+                return_entropy=return_entropy, **options,
+            )  # fmt: skip
+
+    return score
+
+
 def _fused_per_token_logps_and_entropies(
     self,
     model: torch.nn.Module,
@@ -84,13 +99,7 @@ def _fused_per_token_logps_and_entropies(
         options = {**options, "top_k": None, "top_p": None, "min_p": None}  # the reference: its full distribution
     truncated = any(options.get(k) is not None for k in ("top_k", "top_p", "min_p"))
 
-    def score(body: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
-        with self.accelerator.autocast():
-            return hf.token_logprobs(
-                body, ids, labels, attention_mask=mask, temperature=self.temperature,
-                return_entropy=compute_entropy, **options,
-            )  # fmt: skip
-
+    score = _scorer(self, options, return_entropy=compute_entropy)
     batch_size = batch_size or input_ids.size(0)
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -133,14 +142,7 @@ def _full_where_dropped(self, model, inner, ids, mask, labels, logps, options) -
     if rows.numel() == 0:
         return logps
     again = labels[rows].masked_fill(~dropped[rows], -100)
-    full_options = {**options, "top_k": None, "top_p": None, "min_p": None}
-
-    def score(body: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
-        with self.accelerator.autocast():
-            return hf.token_logprobs(
-                body, ids, labels, attention_mask=mask, temperature=self.temperature, **full_options
-            )  # fmt: skip
-
+    score = _scorer(self, {**options, "top_k": None, "top_p": None, "min_p": None})
     full = hf.run_as_forward(model, inner, score, ids[rows], again, mask[rows])  # with gradients: through DDP too
     return logps.index_put((rows,), torch.where(dropped[rows], full, logps[rows]))
 
